@@ -1,0 +1,37 @@
+# `make serve` and `make test` each do all set-up on a fresh machine.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+HOST ?= 127.0.0.1
+PORT ?= 8000
+ARGS ?=
+DEFAULT_MODEL := models/SmolLM2-135M-Instruct.Q4_1.gguf
+
+.PHONY: install model serve test bench clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# A CPU build of torch first where there is no CUDA, so pip never pulls the multi-GB CUDA build.
+	if ! command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q torch==2.13.0 || $(PY) -m pip install -q torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu; fi
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+install: $(VENV)/.installed
+
+$(DEFAULT_MODEL): | $(VENV)/.installed
+	$(PY) -m config.default_model
+
+model: $(DEFAULT_MODEL)
+
+serve: install model
+	$(VENV)/bin/llmserve serve --host $(HOST) --port $(PORT) $(ARGS)
+
+test: install model
+	$(PY) -m pytest -q -x -p no:cacheprovider tests
+
+bench: install model
+	$(PY) bench/serve_bench.py --spawn --concurrency 1 4 16 32 64 --out bench/RESULTS.md
+
+clean:
+	rm -rf $(VENV) models

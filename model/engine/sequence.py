@@ -1,0 +1,66 @@
+"""One request's state inside the engine, and the plain dataclasses that cross the engine's boundary."""
+
+import enum
+from dataclasses import dataclass
+from itertools import count
+
+from model.sampling_params import SamplingParams, TokenLogprob
+
+__all__ = ["SamplingParams", "TokenLogprob", "StepOutput", "Sequence", "SequenceStatus"]
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """What one engine step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None  # "stop" (eos / stop id), "length", "abort"; None = still running
+    logprobs: list[TokenLogprob] | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    FINISHED = enum.auto()
+
+
+_seq_counter = count()
+
+
+class Sequence:
+    """One request's tokens, KV blocks and progress. `num_computed_tokens` tokens already have KV in the cache."""
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival_step: int = 0) -> None:
+        self.seq_id = next(_seq_counter)
+        self.request_id = request_id
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.status = SequenceStatus.WAITING
+        self.block_table: list[int] = []
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # from the prefix cache at the last admission
+        self.finish_reason: str | None = None
+        self.arrival_step = arrival_step
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
