@@ -1,0 +1,76 @@
+"""The model's tokenizer and chat template (via transformers), for GGUF files and Hugging Face folders."""
+
+import json
+from pathlib import Path
+from typing import Any
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+
+class Tokenizer:
+    def __init__(self, hf: PreTrainedTokenizerBase, eos_token_ids: set[int], chat_template: str | None = None) -> None:
+        self.hf = hf
+        self.eos_token_ids = eos_token_ids  # every id that ends generation (eos, end-of-turn, generation_config lists)
+        if chat_template is not None:
+            self.hf.chat_template = chat_template
+
+    @classmethod
+    def load(cls, model_path: Path, chat_template_file: str = "") -> "Tokenizer":
+        model_path = Path(model_path)
+        if model_path.is_file():  # GGUF: transformers builds a fast tokenizer from the file's metadata
+            hf = AutoTokenizer.from_pretrained(str(model_path.parent), gguf_file=model_path.name)
+        else:
+            hf = AutoTokenizer.from_pretrained(str(model_path))
+        eos = {hf.eos_token_id} if hf.eos_token_id is not None else set()
+        eos |= _extra_eos_ids(model_path, hf)
+        template = Path(chat_template_file).read_text() if chat_template_file else None
+        return cls(hf, eos, template)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.hf)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+        return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        **template_kwargs: Any,
+    ) -> list[int]:
+        text = self.hf.apply_chat_template(
+            messages,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt and not continue_final_message,
+            continue_final_message=continue_final_message,
+            **template_kwargs,
+        )
+        # The template already wrote any BOS it wants; do not add another.
+        return self.encode(text, add_special_tokens=False)
+
+
+def _extra_eos_ids(model_path: Path, hf: PreTrainedTokenizerBase) -> set[int]:
+    ids: set[int] = set()
+    if model_path.is_file():
+        import gguf
+
+        reader = gguf.GGUFReader(str(model_path))
+        for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
+            field = reader.fields.get(key)
+            if field is not None:
+                ids.add(int(field.contents()))
+    else:
+        gen_config = model_path / "generation_config.json"
+        if gen_config.exists():
+            eos = json.loads(gen_config.read_text()).get("eos_token_id")
+            ids |= set(eos) if isinstance(eos, list) else ({eos} if eos is not None else set())
+    for token in ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>"):
+        token_id = hf.convert_tokens_to_ids(token)
+        if isinstance(token_id, int) and token_id != hf.unk_token_id and token in hf.get_vocab():
+            ids.add(token_id)
+    return ids
