@@ -1,0 +1,105 @@
+"""create_app(settings): the FastAPI app. Nothing heavy happens at import or in create_app itself.
+
+The lifespan starts loading the engine in a worker thread and returns at once, so the server answers while the
+weights load: /health says 503 until the engine is ready, generation routes say 503 `model_loading`.
+"""
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING
+
+from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
+
+from config.settings import Settings
+from server.errors import install_error_handlers
+from server.metrics import ServerMetrics
+from server.middleware import FrontDoor
+from server.routes import chat, completions, models, ops, tokenize
+from server.routes.common import fingerprint
+from server.routes.ops import server_version
+
+if TYPE_CHECKING:
+    from model.engine.engine import Engine, EngineStats
+
+logger = logging.getLogger("llmserve.server")
+
+
+def _build_engine(settings: Settings) -> "Engine":
+    from model.engine.engine import Engine  # torch and the weights load here, not at import
+
+    return Engine(settings)
+
+
+async def _load(app: FastAPI, engine_factory: Callable[[Settings], "Engine"]) -> None:
+    from server.async_engine import AsyncEngine
+    from server.logprobs import TokenText
+
+    state = app.state
+    settings: Settings = state.settings
+    started = time.monotonic()
+    try:
+        engine = await asyncio.to_thread(engine_factory, settings)
+        async_engine = AsyncEngine(engine, state.metrics)
+        await async_engine.start()
+    except Exception as exc:
+        state.load_error = f"{type(exc).__name__}: {exc}"
+        logger.exception("loading the model failed")
+        return
+    description = engine.describe()
+    state.token_text = TokenText(engine.tokenizer)
+    state.fingerprint = fingerprint(settings, description)
+    state.engine = engine
+    state.async_engine = async_engine
+    logger.info("engine ready in %.1f s: %s", time.monotonic() - started, description)
+    logger.info("serving %s at http://%s:%d/v1 (max_model_len %d)", settings.model_name, settings.host, settings.port,
+                engine.max_model_len)
+
+
+def create_app(
+    settings: Settings,
+    *,
+    engine_factory: Callable[[Settings], "Engine"] = _build_engine,
+    sse_ping_seconds: float = 15.0,
+) -> FastAPI:
+    """`engine_factory` and `sse_ping_seconds` exist for tests (a short ping interval makes pings observable)."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        loader = asyncio.create_task(_load(app, engine_factory))
+        app.state.loader = loader
+        try:
+            yield
+        finally:
+            if not loader.done():
+                await asyncio.wait({loader}, timeout=60)  # a half-built engine must not outlive the app
+            if app.state.async_engine is not None:
+                await asyncio.to_thread(app.state.async_engine.shutdown)
+
+    app = FastAPI(title="llmserve", version=server_version(), lifespan=lifespan,
+                  description="OpenAI-compatible LLM inference server")
+    state = app.state
+    state.settings = settings
+    state.engine = None
+    state.async_engine = None
+    state.load_error = None
+    state.draining = False
+    state.inflight = 0
+    state.started_at = int(time.time())
+    state.sse_ping_seconds = sse_ping_seconds
+
+    def stats() -> "EngineStats | None":
+        return state.engine.stats() if state.engine is not None else None
+
+    state.metrics = ServerMetrics(settings.model_name, stats)
+    install_error_handlers(app)
+    for module in (chat, completions, models, tokenize, ops):
+        app.include_router(module.router)
+    app.add_middleware(FrontDoor, state=state)
+    if settings.allowed_origins:  # added last = outermost, so preflights never meet the API key check
+        app.add_middleware(CORSMiddleware, allow_origins=settings.allowed_origins, allow_methods=["*"],
+                           allow_headers=["*"], expose_headers=["X-Request-Id"])
+    return app

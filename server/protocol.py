@@ -1,0 +1,273 @@
+"""Pydantic models of the OpenAI API requests, in the order of OpenAI's documentation, vendor extras fenced below.
+
+Conversion to the engine's plain `SamplingParams` is a method, `to_sampling_params()`; no pydantic type goes past
+the server. Unknown fields are accepted (clients send fields of newer API versions) and logged once per name.
+Response and chunk models live in `server/responses.py`.
+"""
+
+import logging
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from model.sampling_params import SamplingParams
+from server.errors import APIError, bad_request
+
+logger = logging.getLogger("llmserve.server")
+_logged_extra: set[tuple[str, str]] = set()
+
+
+class OpenAIModel(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="after")
+    def _log_unknown_fields(self) -> "OpenAIModel":
+        for name in self.model_extra or {}:
+            key = (type(self).__name__, name)
+            if key not in _logged_extra:
+                _logged_extra.add(key)
+                logger.warning("%s: ignoring unknown field %r (logged once)", type(self).__name__, name)
+        return self
+
+
+class StreamOptions(OpenAIModel):
+    include_usage: bool | None = False
+
+
+class ContentPart(OpenAIModel):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(OpenAIModel):
+    role: Literal["developer", "system", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+Stop = str | list[str] | None
+
+
+class SamplingFields(OpenAIModel):
+    """Fields that chat and completions share; each subclass re-declares its own in documentation order."""
+
+    def _common_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        data = {name: getattr(self, name) for name in type(self).model_fields}  # subclasses declare the fields
+        temperature = 1.0 if data["temperature"] is None else data["temperature"]
+        top_p = 1.0 if data["top_p"] is None else data["top_p"]
+        if top_p == 0:  # OpenAI accepts 0: only the most likely token survives, i.e. greedy
+            temperature, top_p = 0.0, 1.0
+        return SamplingParams(
+            temperature=temperature,
+            top_p=top_p,
+            top_k=data["top_k"],
+            min_p=data["min_p"],
+            presence_penalty=data["presence_penalty"] or 0.0,
+            frequency_penalty=data["frequency_penalty"] or 0.0,
+            repetition_penalty=data["repetition_penalty"],
+            logit_bias=_logit_bias(data["logit_bias"]),
+            seed=data["seed"],
+            max_tokens=max_tokens,
+            min_tokens=data["min_tokens"],
+            stop_token_ids=list(data["stop_token_ids"] or []),
+            ignore_eos=data["ignore_eos"],
+            logprobs=logprobs,
+        )
+
+    def stop_strings(self) -> list[str]:
+        stop = getattr(self, "stop")
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        if any(s == "" for s in stops):
+            raise bad_request("stop strings must not be empty", param="stop")
+        return stops
+
+    def check_token_ids(self, vocab_size: int) -> None:
+        for token_id in getattr(self, "stop_token_ids") or []:
+            if not 0 <= token_id < vocab_size:
+                raise bad_request(f"stop_token_ids: {token_id} is not a token id (vocabulary size {vocab_size})", "stop_token_ids")
+        for token_id in _logit_bias(getattr(self, "logit_bias")) or {}:
+            if not 0 <= token_id < vocab_size:
+                raise bad_request(f"logit_bias: {token_id} is not a token id (vocabulary size {vocab_size})", "logit_bias")
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    if not bias:
+        return None
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        try:
+            out[int(key)] = float(value)
+        except ValueError:
+            raise bad_request(f"logit_bias keys must be token ids, got {key!r}", param="logit_bias") from None
+    return out
+
+
+def resolve_max_tokens(requested: int | None, prompt_tokens: int, max_model_len: int) -> int:
+    """The completion budget: what the client asked for, else the rest of the context; 400 when it cannot fit."""
+    if requested is None:
+        if prompt_tokens >= max_model_len:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {max_model_len} tokens. However, your prompt has "
+                f"{prompt_tokens} tokens, which leaves no room for a completion.",
+                param="messages",
+                code="context_length_exceeded",
+            )
+        return max_model_len - prompt_tokens
+    if prompt_tokens + requested > max_model_len:
+        raise APIError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{prompt_tokens + requested} tokens ({prompt_tokens} in the prompt, {requested} for the completion). "
+            "Please reduce the prompt or the completion length.",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+    return requested
+
+
+class ChatCompletionRequest(SamplingFields):
+    # OpenAI, in documentation order (https://platform.openai.com/docs/api-reference/chat/create)
+    messages: list[ChatMessage] = Field(min_length=1)
+    model: str
+    audio: dict[str, Any] | None = None
+    frequency_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    logprobs: bool | None = False
+    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1)
+    metadata: dict[str, str] | None = None
+    modalities: list[str] | None = None
+    n: int | None = Field(1, ge=1, le=128)
+    parallel_tool_calls: bool | None = None
+    presence_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
+    response_format: dict[str, Any] | None = None
+    seed: int | None = None
+    service_tier: str | None = None
+    stop: Stop = None
+    store: bool | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    tool_choice: str | dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_p: float | None = Field(None, ge=0.0, le=1.0)
+    user: str | None = None
+
+    # ---- vendor extras (vLLM names) ----
+    top_k: int = Field(-1, ge=-1)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(1.0, gt=0.0)
+    min_tokens: int = Field(0, ge=0)
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def check_supported(self) -> None:
+        """Fields we parse but cannot honour would silently change the answer's meaning: refuse them clearly."""
+        if self.tools:
+            raise bad_request("tool calling is not supported by this server", param="tools")
+        if self.audio is not None or "audio" in (self.modalities or []):
+            raise bad_request("audio output is not supported by this server", param="audio")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise bad_request("only response_format {'type': 'text'} is supported", param="response_format")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
+        if self.continue_final_message and self.add_generation_prompt and "add_generation_prompt" in self.model_fields_set:
+            raise bad_request("add_generation_prompt and continue_final_message cannot both be true", "continue_final_message")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise bad_request("continue_final_message needs an assistant message last", param="continue_final_message")
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        """Messages as the chat template expects them: `developer` is `system`, text parts joined into a string."""
+        out: list[dict[str, Any]] = []
+        for i, message in enumerate(self.messages):
+            content = message.content
+            if isinstance(content, list):
+                texts = []
+                for j, part in enumerate(content):
+                    if part.type != "text" or part.text is None:
+                        raise bad_request(f"only text content parts are supported, got {part.type!r}", f"messages[{i}].content[{j}]")
+                    texts.append(part.text)
+                content = "\n".join(texts)
+            item: dict[str, Any] = {"role": "system" if message.role == "developer" else message.role, "content": content or ""}
+            if message.name:
+                item["name"] = message.name
+            out.append(item)
+        return out
+
+    def to_sampling_params(self, prompt_tokens: int, max_model_len: int) -> SamplingParams:
+        requested = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        max_tokens = resolve_max_tokens(requested, prompt_tokens, max_model_len)
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self._common_params(max_tokens, logprobs)
+
+
+Prompt = str | list[str] | list[int] | list[list[int]]
+
+
+class CompletionRequest(SamplingFields):
+    # OpenAI, in documentation order (https://platform.openai.com/docs/api-reference/completions/create)
+    model: str
+    prompt: Prompt
+    best_of: int | None = Field(None, ge=1, le=20)
+    echo: bool | None = False
+    frequency_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    logprobs: int | None = Field(None, ge=0, le=20)
+    max_tokens: int | None = Field(16, ge=1)
+    n: int | None = Field(1, ge=1, le=128)
+    presence_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
+    seed: int | None = None
+    stop: Stop = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    suffix: str | None = None
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, ge=0.0, le=1.0)
+    user: str | None = None
+
+    # ---- vendor extras (vLLM names) ----
+    top_k: int = Field(-1, ge=-1)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(1.0, gt=0.0)
+    min_tokens: int = Field(0, ge=0)
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def check_supported(self) -> None:
+        if self.suffix:
+            raise bad_request("suffix (fill-in-the-middle) is not supported by this model", param="suffix")
+        if self.best_of is not None and self.best_of != (self.n or 1):
+            raise bad_request("best_of other than n is not supported", param="best_of")
+        if self.echo and self.logprobs is not None:
+            raise bad_request("echo with logprobs needs prompt logprobs, which this server does not compute", "logprobs")
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
+
+    def to_sampling_params(self, prompt_tokens: int, max_model_len: int) -> SamplingParams:
+        return self._common_params(resolve_max_tokens(self.max_tokens, prompt_tokens, max_model_len), self.logprobs)
+
+
+class TokenizeRequest(OpenAIModel):
+    """vLLM's /tokenize: a prompt, or chat messages rendered through the template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(OpenAIModel):
+    model: str | None = None
+    tokens: list[int]

@@ -1,0 +1,115 @@
+"""What every generation route needs before and after the engine: serving state, model check, admission, submit."""
+
+import hashlib
+import time
+import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from fastapi import Request
+
+from model.sampling_params import SamplingParams
+from server.async_engine import AsyncEngine, RequestStream
+from server.errors import APIError
+from server.logprobs import TokenText
+from server.metrics import ServerMetrics
+from server.responses import ErrorResponse
+
+if TYPE_CHECKING:
+    from config.settings import Settings
+    from model.tokenizer import Tokenizer
+
+# Every error status a route may answer; declared in the OpenAPI schema so clients and schemathesis know them.
+ERROR_RESPONSES: dict[int | str, dict[str, object]] = {
+    status: {"model": ErrorResponse, "description": doc}
+    for status, doc in (
+        (400, "Invalid request"),
+        (401, "Missing or wrong API key"),
+        (404, "Unknown model or route"),
+        (413, "Request body too large"),
+        (429, "Server at capacity; retry after Retry-After seconds"),
+        (503, "Model loading, engine stopped, or server shutting down"),
+    )
+}
+
+
+@dataclass(slots=True)
+class Serving:
+    """The ready engine side of the app, fetched once per request."""
+
+    settings: "Settings"
+    engine: AsyncEngine
+    tokenizer: "Tokenizer"
+    texts: TokenText
+    metrics: ServerMetrics
+    max_model_len: int
+    fingerprint: str
+
+
+def serving(request: Request) -> Serving:
+    state = request.app.state
+    if state.async_engine is None:
+        message = f"model failed to load: {state.load_error}" if state.load_error else "the model is still loading"
+        raise APIError(503, message, code="model_loading" if not state.load_error else "model_load_failed",
+                       headers={"Retry-After": "5"})
+    engine: AsyncEngine = state.async_engine
+    return Serving(state.settings, engine, engine.engine.tokenizer, state.token_text, state.metrics,
+                   engine.engine.max_model_len, state.fingerprint)
+
+
+def fingerprint(settings: "Settings", describe: str) -> str:
+    """Changes whenever the model or its runtime configuration does, as OpenAI's does."""
+    return "fp_" + hashlib.sha256(f"{settings.model_name}|{describe}".encode()).hexdigest()[:10]
+
+
+def check_model(ctx: Serving, model: str | None) -> None:
+    if model is not None and model != ctx.settings.model_name:
+        raise APIError(404, f"The model `{model}` does not exist. This server serves `{ctx.settings.model_name}`.",
+                       param="model", code="model_not_found")
+
+
+async def admit(request: Request) -> None:
+    """Admission control, a dependency of the generation routes: runs before the handler tokenizes anything.
+
+    "Waiting" counts choices submitted that have not produced a token (queued or in prefill), kept on the event
+    loop, so a burst of arrivals is counted exactly rather than after the engine thread next drains its inbox."""
+    ctx = serving(request)
+    pending, tokens = ctx.engine.num_pending, ctx.engine.num_pending_tokens
+    limits = ctx.settings
+    if pending >= limits.max_waiting_requests or tokens >= limits.max_waiting_tokens:
+        ctx.metrics.reject(429)
+        raise APIError(
+            429,
+            f"The server is at capacity ({pending} requests / {tokens} prompt tokens waiting; limits "
+            f"{limits.max_waiting_requests} / {limits.max_waiting_tokens}). Retry after a moment.",
+            code="server_overloaded",
+            headers={"Retry-After": "1"},
+        )
+
+
+def new_request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def submit(
+    ctx: Serving, request_id: str, prompts: list[list[int]], params: SamplingParams, n: int, stop: list[str],
+    include_stop_str_in_output: bool, skip_special_tokens: bool,
+) -> RequestStream:
+    try:
+        return ctx.engine.submit(request_id, prompts, params, n=n, stop=stop,
+                                 include_stop_str_in_output=include_stop_str_in_output,
+                                 skip_special_tokens=skip_special_tokens)
+    except ValueError as exc:  # the engine says it can never fit (e.g. over the KV capacity)
+        raise APIError(400, str(exc), code="context_length_exceeded") from exc
+
+
+def record_usage(request: Request, prompt_tokens: int, completion_tokens: int, finish_reasons: list[str | None]) -> None:
+    """For the access log line, which the front-door middleware writes after the response."""
+    request.state.prompt_tokens = prompt_tokens
+    request.state.completion_tokens = completion_tokens
+    if getattr(request.state, "finish_reason", None) is None:
+        request.state.finish_reason = ",".join(sorted({r or "none" for r in finish_reasons}))
