@@ -1,0 +1,213 @@
+"""Engine: owns the scheduler and the model runner, and runs the step loop in one worker thread.
+
+Other threads talk to it through a thread-safe inbox (add / abort); outputs leave through the `on_outputs`
+callback, called from the worker thread after every step."""
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from config import Settings
+from model.engine.block_manager import BlockManager
+from model.engine.model_runner import ModelRunner
+from model.engine.scheduler import Scheduler, SchedulerOutput
+from model.engine.sequence import SamplingParams, Sequence, StepOutput
+from model.tokenizer import Tokenizer
+
+log = logging.getLogger("llmserve.engine")
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_waiting_tokens: int
+    kv_blocks_total: int
+    kv_blocks_used: int
+    prefix_cache_queries: int  # prompt tokens looked up
+    prefix_cache_hits: int  # prompt tokens found
+    num_preemptions: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    num_steps: int
+    is_alive: bool
+
+
+@dataclass(slots=True)
+class StepRecord:
+    """What one step ran, for tests and the benchmark: (request id, tokens) per scheduled sequence."""
+
+    rows: list[tuple[str, int]]
+    num_preempted: int
+
+
+class Engine:
+    def __init__(self, settings: Settings, tokenizer: Tokenizer | None = None, record_steps: bool = False) -> None:
+        self.settings = settings
+        self.tokenizer = tokenizer or Tokenizer.load(settings.model_path, settings.chat_template)
+        eos = sorted(self.tokenizer.eos_token_ids)
+        self.runner = ModelRunner(settings, eos)
+        self.eos_token_ids = set(eos) | set(self.runner.config.eos_token_ids)
+        self.max_model_len = self.runner.max_model_len
+        self.block_manager = BlockManager(self.runner.num_blocks, settings.block_size, settings.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, settings.max_num_seqs, settings.max_num_batched_tokens)
+        self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
+        self._sequences: dict[str, Sequence] = {}
+        self._generators: dict[str, torch.Generator] = {}
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self.is_alive = False
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.num_steps = 0
+        self.step_records: list[StepRecord] | None = [] if record_steps else None
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.block_manager.num_blocks * self.block_manager.block_size
+
+    def describe(self) -> str:
+        c = self.runner.config
+        return (
+            f"model={self.settings.model_path} arch={c.architecture} layers={c.num_layers} heads={c.num_heads}/{c.num_kv_heads} "
+            f"dtype={str(self.runner.dtype).removeprefix('torch.')} device={self.runner.device} "
+            f"attention={self.runner.attention_backend} kv_cache={self.block_manager.num_blocks} blocks x "
+            f"{self.block_manager.block_size} tokens = {self.kv_capacity_tokens} tokens max_model_len={self.max_model_len} "
+            f"loaded in {self.runner.load_seconds:.1f}s"
+        )
+
+    # ---- called from any thread -------------------------------------------------------------------------------
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError when a request could never run, whatever else is in flight."""
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        total = len(prompt_token_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"this model's maximum context length is {self.max_model_len} tokens, but {total} were requested "
+                f"({len(prompt_token_ids)} in the prompt, {params.max_tokens} for the completion)"
+            )
+        if self.block_manager.blocks_needed(total) > self.block_manager.num_blocks:
+            raise ValueError(f"the request needs {total} tokens of KV cache but the server holds {self.kv_capacity_tokens}")
+        vocab = self.runner.config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self.validate(prompt_token_ids, params)
+        self._inbox.put(("add", Sequence(request_id, prompt_token_ids, params)))
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+
+    def start(self, on_outputs: Callable[[list[StepOutput]], None]) -> None:
+        self._on_outputs = on_outputs
+        self.is_alive = True
+        self._thread = threading.Thread(target=self._loop, name="llmserve-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._inbox.put(("wake", None))
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        self.is_alive = False
+
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_waiting_tokens=sum(len(s) for s in list(self.scheduler.waiting)),
+            kv_blocks_total=bm.num_blocks,
+            kv_blocks_used=bm.num_used,
+            prefix_cache_queries=bm.prefix_queries,
+            prefix_cache_hits=bm.prefix_hits,
+            num_preemptions=self.scheduler.num_preemptions,
+            prompt_tokens_total=self.prompt_tokens_total,
+            generation_tokens_total=self.generation_tokens_total,
+            num_steps=self.num_steps,
+            is_alive=self.is_alive,
+        )
+
+    # ---- worker thread ---------------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                outputs = self._drain_inbox(block=not self.scheduler.has_work())
+                if self.scheduler.has_work():
+                    outputs += self.step()
+                if outputs:
+                    self._on_outputs(outputs)
+        except Exception:
+            log.exception("engine step failed; the engine is stopping")
+            raise
+        finally:
+            self.is_alive = False
+
+    def _drain_inbox(self, block: bool) -> list[StepOutput]:
+        outputs: list[StepOutput] = []
+        while True:
+            try:
+                kind, item = self._inbox.get(block=block, timeout=0.5 if block else None)
+            except queue.Empty:
+                return outputs
+            block = False
+            if kind == "add":
+                assert isinstance(item, Sequence)
+                self._add(item)
+            elif kind == "abort":
+                assert isinstance(item, str)
+                seq = self._sequences.pop(item, None)
+                if seq is not None:
+                    self.scheduler.remove(seq)
+                    self._generators.pop(item, None)
+                    outputs.append(StepOutput(item, [], "abort", None, seq.num_prompt_tokens, seq.num_cached_tokens))
+
+    def _add(self, seq: Sequence) -> None:
+        self._sequences[seq.request_id] = seq
+        if seq.params.seed is not None:
+            self._generators[seq.request_id] = torch.Generator(device=self.runner.device).manual_seed(seq.params.seed)
+        self.prompt_tokens_total += seq.num_prompt_tokens
+        self.scheduler.add(seq)
+
+    def step(self) -> list[StepOutput]:
+        """Schedule, run the model once, and return what each sampling sequence produced."""
+        sched: SchedulerOutput = self.scheduler.schedule()
+        self.num_steps += 1
+        if self.step_records is not None:
+            self.step_records.append(StepRecord([(s.seq.request_id, s.num_tokens) for s in sched.scheduled], sched.num_preempted))
+        if not sched.scheduled:
+            return []
+        generators = [self._generators.get(s.seq.request_id) for s in sched.scheduled if s.samples]
+        result = self.runner.run(sched.scheduled, generators)
+        token_ids = result.token_ids.tolist() if result is not None else []
+        rows = self.scheduler.postprocess(sched, token_ids)
+        outputs = []
+        for i, s in enumerate(rows):
+            seq = s.seq
+            token = seq.token_ids[-1]
+            self.generation_tokens_total += 1
+            reason = self._finish_reason(seq, token)
+            logprobs = None
+            if result is not None and result.logprobs is not None and result.logprobs[i] is not None:
+                logprobs = [result.logprobs[i]]
+            outputs.append(StepOutput(seq.request_id, [token], reason, logprobs, seq.num_prompt_tokens, seq.num_cached_tokens))
+            if reason is not None:
+                self.scheduler.remove(seq)
+                self._sequences.pop(seq.request_id, None)
+                self._generators.pop(seq.request_id, None)
+        return outputs
+
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        p = seq.params
+        if seq.num_output_tokens >= p.min_tokens:
+            if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+                return "stop"
+        if seq.num_output_tokens >= p.max_tokens or len(seq) >= self.max_model_len:
+            return "length"
+        return None

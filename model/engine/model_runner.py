@@ -1,0 +1,149 @@
+"""ModelRunner: builds the decoder and its KV pool, turns scheduled sequences into a Batch, and returns sampled tokens."""
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from config import Settings
+from model.batch import Batch
+from model.config import ModelConfig
+from model.decoder import Decoder
+from model.engine.scheduler import ScheduledSeq
+from model.layers.attention import flash_attn_usable
+from model.layers.sampler import Sampler, SamplerOutput, SamplingBatch
+from model.loaders import load_config, read_weights
+
+log = logging.getLogger("llmserve.model_runner")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[name]
+
+
+def build_decoder(path: Path, config: ModelConfig, max_positions: int, dtype: torch.dtype, device: torch.device) -> Decoder:
+    """Allocate the decoder without random init (meta device), then stream the checkpoint into it."""
+    with torch.device("meta"):
+        decoder = Decoder(config, max_positions)
+    decoder = decoder.to_empty(device=device).to(dtype)
+    decoder.tie_weights()
+    decoder.layers[0].self_attn.rotary.build_cache(device)  # one table shared by all layers
+    decoder.load_weights(read_weights(path, config))
+    return decoder.eval()
+
+
+class ModelRunner:
+    def __init__(self, settings: Settings, eos_token_ids: list[int]) -> None:
+        if settings.num_threads:
+            torch.set_num_threads(settings.num_threads)
+        self.device = resolve_device(settings.device)
+        self.dtype = resolve_dtype(settings.dtype, self.device)
+        self.config = load_config(settings.model_path)
+        self.max_model_len = settings.max_model_len or self.config.max_position_embeddings
+        self.block_size = settings.block_size
+        self.eos_token_ids = eos_token_ids
+        started = time.perf_counter()
+        self.decoder = build_decoder(settings.model_path, self.config, self.max_model_len, self.dtype, self.device)
+        self.load_seconds = time.perf_counter() - started
+        self.sampler = Sampler()
+        self.num_blocks = self._allocate_kv_cache(settings)
+
+    def _allocate_kv_cache(self, settings: Settings) -> int:
+        c = self.config
+        per_block = 2 * c.num_layers * self.block_size * c.num_kv_heads * c.head_dim * self.dtype.itemsize
+        budget = settings.kv_cache_memory
+        if budget == 0 and self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free * settings.gpu_memory_utilization)
+        num_blocks = max(1, budget // per_block)
+        # [2, layers, blocks, block_size, kv_heads, head_dim]: flash-attn's paged layout per layer
+        self.kv_cache = torch.zeros(
+            2, c.num_layers, num_blocks, self.block_size, c.num_kv_heads, c.head_dim, dtype=self.dtype, device=self.device
+        )
+        use_flash = flash_attn_usable(self.device) and self.dtype != torch.float32
+        for i, layer in enumerate(self.decoder.layers):
+            layer.self_attn.attn.k_cache = self.kv_cache[0, i]
+            layer.self_attn.attn.v_cache = self.kv_cache[1, i]
+            layer.self_attn.attn.use_flash = use_flash
+        return num_blocks
+
+    @property
+    def attention_backend(self) -> str:
+        return "flash-attn" if self.decoder.layers[0].self_attn.attn.use_flash else "torch-sdpa"
+
+    def prepare(self, scheduled: list[ScheduledSeq]) -> Batch:
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_lens: list[int] = []
+        context_lens: list[int] = []
+        logits_indices: list[int] = []
+        bs = self.block_size
+        for s in scheduled:
+            seq, start = s.seq, s.seq.num_computed_tokens
+            end = start + s.num_tokens
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            query_lens.append(s.num_tokens)
+            context_lens.append(end)
+            if s.samples:
+                logits_indices.append(len(input_ids) - 1)
+        max_blocks = max(len(s.seq.block_table) for s in scheduled)
+        tables = [s.seq.block_table + [-1] * (max_blocks - len(s.seq.block_table)) for s in scheduled]
+        num_decode = 0
+        while num_decode < len(query_lens) and query_lens[num_decode] == 1:
+            num_decode += 1
+
+        def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+
+        cu = [0]
+        for n in query_lens:
+            cu.append(cu[-1] + n)
+        return Batch(
+            input_ids=tensor(input_ids, torch.int64),
+            positions=tensor(positions, torch.int64),
+            slot_mapping=tensor(slots, torch.int64),
+            block_tables=tensor(tables, torch.int32),
+            context_lens=tensor(context_lens, torch.int32),
+            query_start_loc=tensor(cu, torch.int32),
+            logits_indices=tensor(logits_indices, torch.int64),
+            num_decode=num_decode,
+            max_query_len=max(query_lens),
+            max_context_len=max(context_lens),
+            query_lens_cpu=query_lens,
+            context_lens_cpu=context_lens,
+        )
+
+    @torch.inference_mode()
+    def run(self, scheduled: list[ScheduledSeq], generators: list[torch.Generator | None]) -> SamplerOutput | None:
+        """One forward over all scheduled tokens; sample one token for each row that reached its end."""
+        batch = self.prepare(scheduled)
+        hidden = self.decoder(batch)
+        rows = [s.seq for s in scheduled if s.samples]
+        if not rows:
+            return None
+        logits = self.decoder.compute_logits(hidden)
+        sampling = SamplingBatch.build(
+            [seq.params for seq in rows],
+            [seq.prompt_token_ids for seq in rows],
+            [seq.output_token_ids for seq in rows],
+            generators,
+            self.eos_token_ids,
+            self.config.vocab_size,
+            self.device,
+        )
+        return self.sampler(logits, sampling)

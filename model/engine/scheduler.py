@@ -1,0 +1,117 @@
+"""Scheduler: which sequences run this step and with how many tokens.
+
+Running sequences go first (oldest first), each with one decode token or the next chunk of its prompt; then
+waiting ones are admitted while the token budget, the sequence cap and free blocks allow. When blocks run out
+the newest running sequence is preempted: its blocks are freed and it is recomputed later (slowed, never failed)."""
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from model.engine.block_manager import BlockManager
+from model.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    seq: Sequence
+    num_tokens: int  # new tokens computed this step (1 = decode)
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step reaches the end of the sequence's tokens, so it produces the next token."""
+        return self.seq.num_computed_tokens + self.num_tokens == len(self.seq)
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)  # single-token rows first
+    num_preempted: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def remove(self, seq: Sequence) -> None:
+        """Drop a sequence (finished or aborted) wherever it is and release its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.free_sequence(seq)
+        seq.status = SequenceStatus.FINISHED
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free_sequence(seq)  # full blocks stay hashed, so the recompute mostly hits the cache
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        bm = self.block_manager
+        for seq in list(self.running):
+            if seq.status != SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            n = min(len(seq) - seq.num_computed_tokens, budget)
+            if n <= 0:
+                continue
+            while not bm.can_append(seq, n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.num_preempted += 1
+                if victim is seq:
+                    break
+            if seq.status != SequenceStatus.RUNNING:
+                continue
+            bm.append(seq, n)
+            out.scheduled.append(ScheduledSeq(seq, n))
+            budget -= n
+
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.num_preempted:
+            seq = self.waiting[0]
+            bm.allocate_prompt(seq)
+            n = min(len(seq) - seq.num_computed_tokens, budget)
+            if not bm.can_append(seq, n):
+                bm.free_sequence(seq)  # hand back the cached blocks it was about to reuse
+                break
+            bm.append(seq, n)
+            self.waiting.popleft()
+            bm.prefix_queries += len(seq)
+            bm.prefix_hits += seq.num_cached_tokens
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSeq(seq, n))
+            budget -= n
+
+        out.scheduled.sort(key=lambda s: s.num_tokens != 1)  # stable: decode-like rows first
+        return out
+
+    def postprocess(self, out: SchedulerOutput, sampled: list[int]) -> list[ScheduledSeq]:
+        """Advance computed counts, register full blocks, append sampled tokens (one per sampling row, in order).
+        Returns the rows that sampled; the engine decides which of them finished."""
+        sampling_rows = [s for s in out.scheduled if s.samples]
+        for s in out.scheduled:
+            old = s.seq.num_computed_tokens
+            s.seq.num_computed_tokens += s.num_tokens
+            self.block_manager.register_computed(s.seq, old)
+        for s, token in zip(sampling_rows, sampled, strict=True):
+            s.seq.token_ids.append(token)
+        return sampling_rows

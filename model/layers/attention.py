@@ -1,0 +1,113 @@
+"""Paged attention. K/V of the new tokens are written into the block pool through `slot_mapping`; queries read
+the context through `block_tables`. Two backends: flash-attn's paged varlen kernel on CUDA, and an exact torch
+path (scaled_dot_product_attention) everywhere else."""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model.batch import Batch
+
+try:  # optional GPU extra
+    from flash_attn import flash_attn_varlen_func  # type: ignore[import-not-found]
+except ImportError:
+    flash_attn_varlen_func = None
+
+
+def flash_attn_usable(device: torch.device) -> bool:
+    return flash_attn_varlen_func is not None and device.type == "cuda"
+
+
+class PagedAttention(nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, window: int | None) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.window = window  # attend to the last `window` tokens, this one included; None = all
+        # [num_blocks, block_size, num_kv_heads, head_dim] each; set by the ModelRunner once the pool is allocated.
+        self.k_cache = torch.empty(0)
+        self.v_cache = torch.empty(0)
+        self.use_flash = False
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Batch) -> torch.Tensor:
+        # q: [T, H, D], k/v: [T, KVH, D] -> [T, H, D]
+        if self.k_cache.numel():
+            self.k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, batch.slot_mapping, k)
+            self.v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, batch.slot_mapping, v)
+        if self.use_flash:
+            return self._flash(q, batch)
+        return self._torch(q, k, v, batch)
+
+    def _flash(self, q: torch.Tensor, batch: Batch) -> torch.Tensor:
+        window = (self.window - 1, 0) if self.window else (-1, -1)
+        cu_seqlens_k = F.pad(batch.context_lens.cumsum(0, dtype=torch.int32), (1, 0))
+        return flash_attn_varlen_func(
+            q, self.k_cache, self.v_cache,
+            cu_seqlens_q=batch.query_start_loc, cu_seqlens_k=cu_seqlens_k,
+            max_seqlen_q=batch.max_query_len, max_seqlen_k=batch.max_context_len,
+            softmax_scale=self.scale, causal=True, window_size=window, block_table=batch.block_tables,
+        )
+
+    def _torch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Batch) -> torch.Tensor:
+        out = torch.empty_like(q)
+        nd = batch.num_decode
+        if nd:
+            out[:nd] = self._decode(q[:nd], batch)
+        start = nd
+        for i in range(nd, batch.num_seqs):
+            q_len, ctx_len = batch.query_lens_cpu[i], batch.context_lens_cpu[i]
+            qi = q[start : start + q_len].transpose(0, 1)  # [H, L, D]
+            if ctx_len == q_len:
+                # the whole context is this chunk: use the fresh K/V, no gather from the pool
+                ki, vi = k[start : start + q_len].transpose(0, 1), v[start : start + q_len].transpose(0, 1)
+            else:
+                ki, vi = self._gather(batch.block_tables[i : i + 1], ctx_len)
+                ki, vi = ki[0, :, :ctx_len], vi[0, :, :ctx_len]  # [KVH, C, D]
+            if self.window is None and ctx_len == q_len:
+                o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=self.scale, enable_gqa=True)
+            else:
+                mask = _causal_mask(q_len, ctx_len, self.window, q.device)
+                o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=self.scale, enable_gqa=True)
+            out[start : start + q_len] = o.transpose(0, 1)
+            start += q_len
+        return out
+
+    def _decode(self, q: torch.Tensor, batch: Batch) -> torch.Tensor:
+        # q: [B, H, D]; one query per sequence, batched over sequences with a padding mask.
+        nd = q.shape[0]
+        max_ctx = max(batch.context_lens_cpu[:nd])
+        k, v = self._gather(batch.block_tables[:nd], max_ctx)  # [B, KVH, S, D]
+        pos = torch.arange(k.shape[2], device=q.device)[None, :]  # [1, S]
+        ctx = batch.context_lens[:nd, None]  # [B, 1]
+        mask = pos < ctx
+        if self.window is not None:
+            mask &= pos >= ctx - self.window
+        o = F.scaled_dot_product_attention(
+            q[:, :, None, :], k, v, attn_mask=mask[:, None, None, :], scale=self.scale, enable_gqa=True
+        )  # [B, H, 1, D]
+        return o[:, :, 0, :]
+
+    def _gather(self, block_tables: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # block_tables: [B, max_blocks] -> K, V: [B, KVH, S, D] with S = length rounded up to whole blocks
+        block_size = self.k_cache.shape[1]
+        num_blocks = -(-length // block_size)
+        blocks = block_tables[:, :num_blocks]
+        b = blocks.shape[0]
+        k = self.k_cache[blocks].view(b, num_blocks * block_size, self.num_kv_heads, self.head_dim)
+        v = self.v_cache[blocks].view(b, num_blocks * block_size, self.num_kv_heads, self.head_dim)
+        return k.transpose(1, 2), v.transpose(1, 2)
+
+    def extra_repr(self) -> str:
+        return f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, window={self.window}"
+
+
+def _causal_mask(q_len: int, ctx_len: int, window: int | None, device: torch.device) -> torch.Tensor:
+    # [L, S] bool: query i sits at position ctx_len - q_len + i and sees keys j <= that (and > that - window)
+    q_pos = torch.arange(ctx_len - q_len, ctx_len, device=device)[:, None]
+    k_pos = torch.arange(ctx_len, device=device)[None, :]
+    mask = k_pos <= q_pos
+    if window is not None:
+        mask &= k_pos > q_pos - window
+    return mask
