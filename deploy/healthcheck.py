@@ -18,8 +18,9 @@ def main() -> int:
         host = f"[{host}]"
     port = os.environ.get("LLMSERVE_PORT", "") or "8000"
     url = f"http://{host}:{port}/health"
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never via an HTTP(S)_PROXY
     try:
-        with urllib.request.urlopen(url, timeout=4) as response:
+        with opener.open(url, timeout=4) as response:
             return 0 if response.status == 200 else 1
     except Exception as exc:  # any failure (refused, 503, timeout) is "unhealthy"
         print(f"{url}: {exc}", file=sys.stderr)
