@@ -1,5 +1,5 @@
-"""One decoder for the Llama family: embed -> N x (RMSNorm, RoPE attention, RMSNorm, gated MLP) -> norm -> LM head.
-Architecture differences are ModelConfig fields; checkpoint names are mapped by a table in load_weights."""
+"""One decoder for every supported family: embed -> N x (norm, RoPE attention, norm, gated MLP) -> norm -> LM head.
+Architecture differences are ModelConfig fields; checkpoint names are mapped by tables in load_weights."""
 
 from collections.abc import Iterable
 
@@ -18,6 +18,10 @@ class WeightError(ValueError):
     pass
 
 
+def _norm(config: ModelConfig, size: int) -> RMSNorm:
+    return RMSNorm(size, config.rms_norm_eps, config.norm_unit_offset)
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, window: int | None) -> None:
         super().__init__()
@@ -25,16 +29,19 @@ class Attention(nn.Module):
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
         self.q_size, self.kv_size = config.q_size, config.kv_size
+        # rows: [q (H*D); k (KVH*D); v (KVH*D)]
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+        self.q_norm: nn.Module = _norm(config, self.head_dim) if config.qk_norm else nn.Identity()
+        self.k_norm: nn.Module = _norm(config, self.head_dim) if config.qk_norm else nn.Identity()
         self.rotary = rotary
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, window)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, config.attention_scale, window)
 
     def forward(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
         # x: [T, hidden]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)  # [T, H, D]
-        k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
+        q = self.q_norm(q.view(-1, self.num_heads, self.head_dim))  # [T, H, D], normed per head
+        k = self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim))  # [T, KVH, D]
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         q, k = self.rotary(batch.positions, q, k)
         o = self.attn(q, k, v, batch)  # [T, H, D]
@@ -44,41 +51,52 @@ class Attention(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, window: int | None) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attn_norm = _norm(config, config.hidden_size)
         self.self_attn = Attention(config, rotary, window)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
+        # Gemma 3 also norms each sub-block's output before it joins the residual stream
+        self.attn_out_norm: nn.Module = _norm(config, config.hidden_size) if config.sandwich_norms else nn.Identity()
+        self.mlp_norm = _norm(config, config.hidden_size)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, config.mlp_bias)
+        self.mlp_out_norm: nn.Module = _norm(config, config.hidden_size) if config.sandwich_norms else nn.Identity()
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, batch: Batch
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        # x: the previous sub-block's output [T, hidden]; residual: the running sum, None before the first layer
         if residual is None:
-            residual, x = x, self.input_layernorm(x)
+            residual, h = x, self.attn_norm(x)
         else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, batch)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+            h, residual = self.attn_norm(x, residual)
+        h = self.attn_out_norm(self.self_attn(h, batch))
+        h, residual = self.mlp_norm(h, residual)
+        return self.mlp_out_norm(self.mlp(h)), residual
 
 
 class Decoder(nn.Module):
-    # checkpoint (transformers) name fragment -> (our parameter fragment, shard index) for fused matrices
+    # checkpoint name fragment -> (our fused parameter fragment, shard index); checkpoints that are already
+    # fused (Phi-3's qkv_proj, gate_up_proj) match our names directly and fill every shard at once
     PACKED = {
-        "q_proj": ("qkv_proj", 0),
-        "k_proj": ("qkv_proj", 1),
-        "v_proj": ("qkv_proj", 2),
-        "gate_proj": ("gate_up_proj", 0),
-        "up_proj": ("gate_up_proj", 1),
+        ".q_proj.": (".qkv_proj.", 0),
+        ".k_proj.": (".qkv_proj.", 1),
+        ".v_proj.": (".qkv_proj.", 2),
+        ".gate_proj.": (".gate_up_proj.", 0),
+        ".up_proj.": (".gate_up_proj.", 1),
     }
 
     def __init__(self, config: ModelConfig, max_positions: int) -> None:
         super().__init__()
         self.config = config
-        rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta, config.rope_scaling)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, rotary, w) for w in config.layer_windows)
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        c = config
+        global_rope = RotaryEmbedding(c.head_dim, max_positions, c.rope_theta, c.rope_scaling, c.rotary_dim)
+        local_rope = global_rope
+        if c.local_rope_theta is not None:
+            local_rope = RotaryEmbedding(c.head_dim, max_positions, c.local_rope_theta, c.local_rope_scaling, c.rotary_dim)
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(c, global_rope if w is None else local_rope, w) for w in c.layer_windows
+        )
+        self.norm = _norm(c, c.hidden_size)
+        self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -89,6 +107,9 @@ class Decoder(nn.Module):
     def forward(self, batch: Batch) -> torch.Tensor:
         """All new tokens of the batch -> hidden states of the tokens that sample: [S, hidden]."""
         x = self.embed_tokens(batch.input_ids)  # [T, hidden]
+        if self.config.embed_scale != 1.0:
+            # in the weights' dtype, as transformers does (Gemma: sqrt(3072) becomes 55.5 in bfloat16)
+            x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, batch)
@@ -96,49 +117,53 @@ class Decoder(nn.Module):
         return x[batch.logits_indices]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()  # [S, V]
+        logits = self.lm_head(hidden).float()  # [S, V]
+        cap = self.config.final_logit_softcapping
+        return torch.tanh(logits / cap) * cap if cap else logits
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors (transformers names) into our parameters; every parameter must be filled once."""
-        params = dict(self.named_parameters())
-        pending = {name: self._shard_count(name) for name in params}
+        """Copy checkpoint tensors (transformers names) into our parameters; every parameter must be filled once.
+        Raises WeightError naming the tensor on an unexpected, missing or wrongly shaped tensor."""
+        params = dict(self.named_parameters())  # a tied lm_head.weight is listed once, as embed_tokens.weight
+        filled: dict[str, set[int]] = {name: set() for name in params}
         for hf_name, tensor in weights:
             if "rotary_emb." in hf_name:
                 continue
-            name = hf_name.removeprefix("model.")
-            if name == "lm_head.weight" and self.config.tie_word_embeddings:
-                continue
-            shard = None
-            for fragment, (fused, index) in self.PACKED.items():
-                if f".{fragment}." in name:
-                    name, shard = name.replace(f".{fragment}.", f".{fused}."), index
-                    break
+            if hf_name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue  # some tied checkpoints still carry a copy
+            name, shard = self._our_name(hf_name)
             if name not in params:
                 raise WeightError(f"unexpected tensor {hf_name!r} in the checkpoint")
             target = params[name].data
             if shard is not None:
-                target = target.narrow(0, *self._shard_range(name, shard))
+                sizes = self._shard_sizes(name)
+                target = target.narrow(0, sum(sizes[:shard]), sizes[shard])
             if tuple(target.shape) != tuple(tensor.shape):
                 raise WeightError(f"tensor {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
             target.copy_(tensor)
-            pending[name] -= 1
-        missing = [name for name, count in pending.items() if count > 0]
+            filled[name] |= {shard} if shard is not None else set(range(len(self._shard_sizes(name))))
+        missing = [name for name, shards in filled.items() if len(shards) < len(self._shard_sizes(name))]
         if missing:
-            raise WeightError(f"missing tensors in the checkpoint: {', '.join(missing[:8])}")
+            more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
+            raise WeightError(f"missing tensors in the checkpoint: {', '.join(missing[:8])}{more}")
 
-    def _shard_count(self, name: str) -> int:
-        if ".qkv_proj." in name:
-            return 3
-        if ".gate_up_proj." in name:
-            return 2
-        if name == "lm_head.weight" and self.config.tie_word_embeddings:
-            return 0
-        return 1
+    def _our_name(self, hf_name: str) -> tuple[str, int | None]:
+        """transformers name -> (our parameter name, shard index within a fused parameter or None)."""
+        name = hf_name.removeprefix("model.")
+        for theirs, ours in self.config.weight_names:
+            if theirs in name:
+                name = name.replace(theirs, ours)
+                break
+        for fragment, (fused, index) in self.PACKED.items():
+            if fragment in name:
+                return name.replace(fragment, fused), index
+        return name, None
 
-    def _shard_range(self, name: str, shard: int) -> tuple[int, int]:
+    def _shard_sizes(self, name: str) -> list[int]:
+        """Rows of each checkpoint tensor fused into parameter `name`, in order ([-1] when it is not fused)."""
         c = self.config
         if ".qkv_proj." in name:
-            sizes = [c.q_size, c.kv_size, c.kv_size]
-        else:
-            sizes = [c.intermediate_size, c.intermediate_size]
-        return sum(sizes[:shard]), sizes[shard]
+            return [c.q_size, c.kv_size, c.kv_size]
+        if ".gate_up_proj." in name:
+            return [c.intermediate_size, c.intermediate_size]
+        return [-1]

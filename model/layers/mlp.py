@@ -8,13 +8,15 @@ ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approxim
 class GatedMLP(nn.Module):
     """SwiGLU / GeGLU: down(act(gate(x)) * up(x)), with gate and up fused into one matmul."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, bias: bool = False) -> None:
         super().__init__()
+        if hidden_act not in ACTIVATIONS:
+            raise ValueError(f"unsupported activation {hidden_act!r}; supported: {', '.join(ACTIVATIONS)}")
         self.intermediate_size = intermediate_size
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)  # rows: [gate; up]
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
         self.act = ACTIVATIONS[hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # [T, I] each
         return self.down_proj(self.act(gate) * up)

@@ -34,29 +34,43 @@ def inverse_frequencies(head_dim: int, theta: float, rope_scaling: dict[str, Any
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, max_positions: int, theta: float, rope_scaling: dict[str, Any] | None) -> None:
+    """cos/sin table for positions [0, max_positions); rotates the first `rotary_dim` dims of each head.
+
+    The table is a plain attribute, not a buffer: `.to(dtype)` must never round it, and it is (re)built on the
+    device of the first positions it sees, so decoders built on the meta device need no extra call."""
+
+    def __init__(
+        self, head_dim: int, max_positions: int, theta: float, rope_scaling: dict[str, Any] | None, rotary_dim: int = 0
+    ) -> None:
         super().__init__()
         self.head_dim = head_dim
+        self.rotary_dim = rotary_dim or head_dim
         self.max_positions = max_positions
         self.theta = theta
         self.rope_scaling = rope_scaling
-        self.register_buffer("cos_sin", torch.empty(0), persistent=False)
-        if torch.get_default_device().type != "meta":  # on meta the owner calls build_cache after to_empty
-            self.build_cache(torch.get_default_device())
+        self.cos_sin = torch.empty(0)
 
     def build_cache(self, device: torch.device | str = "cpu") -> None:
-        inv_freq = inverse_frequencies(self.head_dim, self.theta, self.rope_scaling).to(device)
+        inv_freq = inverse_frequencies(self.rotary_dim, self.theta, self.rope_scaling).to(device)
         t = torch.arange(self.max_positions, dtype=torch.float32, device=device)
-        freqs = torch.outer(t, inv_freq)  # [P, D/2]
-        self.cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)  # [P, D]
+        freqs = torch.outer(t, inv_freq)  # [P, R/2]
+        self.cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)  # [P, R]
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # q: [T, H, D], k: [T, KVH, D], positions: [T]
-        cos, sin = self.cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, D/2] each
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        if self.cos_sin.numel() == 0 or self.cos_sin.device != positions.device:
+            self.build_cache(positions.device)
+        cos, sin = self.cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, R/2] each
+        return self._rotate_heads(q, cos, sin), self._rotate_heads(k, cos, sin)
+
+    def _rotate_heads(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self.rotary_dim == self.head_dim:
+            return _rotate(x, cos, sin)
+        # partial rotary (Phi): the first rotary_dim dims of each head rotate, the rest pass through
+        return torch.cat([_rotate(x[..., : self.rotary_dim], cos, sin), x[..., self.rotary_dim :]], dim=-1)
 
     def extra_repr(self) -> str:
-        return f"head_dim={self.head_dim}, theta={self.theta}, scaling={self.rope_scaling}"
+        return f"head_dim={self.head_dim}, rotary_dim={self.rotary_dim}, theta={self.theta}, scaling={self.rope_scaling}"
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
