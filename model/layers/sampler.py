@@ -165,16 +165,21 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """[B] token ids drawn from softmax(logits / T) after min_p, top_k, top_p. Greedy rows get a harmless draw.
+    """[B] token ids drawn from the filtered distribution. Greedy rows get a harmless draw (the caller drops it).
 
     The kept set is a threshold in vocabulary order and the draw is an inverse-CDF search over the vocabulary, so a
     seeded row's token depends only on its own logits and its own generator, never on which rows share the batch."""
+    return draw(filtered_probs(logits, batch), draw_uniform(batch.generators, logits.device))
+
+
+def filtered_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """[B, V] softmax(logits / T) with what min_p, top_k and top_p drop set to 0 (not renormalized: draw() scales)."""
     probs = torch.softmax(logits / batch.temperature[:, None], dim=-1)  # [B, V]
     if batch.any_min_p:  # p < min_p * p_max; the ratio is the same before and after renormalizing
         probs = drop_below(probs, batch.min_p[:, None] * probs.amax(dim=-1, keepdim=True))
     if batch.any_top_k or batch.any_top_p:
         probs = drop_below(probs, truncation_threshold(probs, batch))
-    return draw(probs, draw_uniform(batch.generators, logits.device))
+    return probs
 
 
 def drop_below(probs: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
