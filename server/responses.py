@@ -7,7 +7,16 @@ chunk exactly when the builder set it (`usage: null` on every chunk only when `i
 import time
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
+
+
+class _StreamedModel(BaseModel):
+    """A model sent as a chunk (dumped with exclude_unset): `object` must always be there, though it has a default."""
+
+    @model_validator(mode="after")
+    def _always_send_object(self) -> "_StreamedModel":
+        self.__pydantic_fields_set__.add("object")
+        return self
 
 
 class PromptTokensDetails(BaseModel):
@@ -93,7 +102,7 @@ class ChatChunkChoice(BaseModel):
     finish_reason: str | None = None
 
 
-class ChatCompletionChunk(BaseModel):
+class ChatCompletionChunk(_StreamedModel):
     id: str
     choices: list[ChatChunkChoice]
     created: int
@@ -111,7 +120,7 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None = None
 
 
-class CompletionResponse(BaseModel):
+class CompletionResponse(_StreamedModel):
     id: str
     choices: list[CompletionChoice]
     created: int = Field(default_factory=lambda: int(time.time()))

@@ -38,14 +38,13 @@ def sse_response(request: Request, chunks: AsyncIterator[BaseModel], stream: Req
         finally:
             # Reached early only when the client went away (sse-starlette cancels this generator) or on error.
             if stream.close() and not failed:
-                metrics.client_disconnects.inc()
-                request.state.finish_reason = "client_disconnect"
+                _count_disconnect(request, stream)
         yield {"data": "[DONE]"}
 
     return EventSourceResponse(
         events(),
         ping=request.app.state.sse_ping_seconds,
-        ping_message_factory=lambda: ServerSentEvent(comment="ping"),
+        ping_message_factory=lambda: ServerSentEvent(comment="ping", sep="\n"),
         sep="\n",
         headers={"Cache-Control": "no-cache"},
     )
@@ -76,6 +75,13 @@ async def collect_unless_disconnected(request: Request, stream: RequestStream, c
     if work.done() and not work.cancelled():
         return work.result()
     if stream.close():
-        request.app.state.metrics.client_disconnects.inc()
-        request.state.finish_reason = "client_disconnect"
+        _count_disconnect(request, stream)
     return None
+
+
+def _count_disconnect(request: Request, stream: RequestStream) -> None:
+    request.app.state.metrics.client_disconnects.inc()
+    prompt_tokens, completion_tokens, _ = stream.usage()
+    request.state.prompt_tokens = prompt_tokens
+    request.state.completion_tokens = completion_tokens
+    request.state.finish_reason = "client_disconnect"
