@@ -1,0 +1,39 @@
+"""Drive an Engine synchronously, step by step, without its worker thread."""
+
+from model.engine.engine import Engine
+from model.engine.sequence import SamplingParams
+
+
+def run(
+    engine: Engine,
+    requests: dict[str, tuple[list[int], SamplingParams]],
+    arrival_step: dict[str, int] | None = None,
+    abort_at: dict[str, int] | None = None,
+    max_steps: int = 10_000,
+) -> dict[str, list[int]]:
+    """Submit each request at its arrival step (default 0), step until all finish; return the tokens of each."""
+    arrival_step = arrival_step or {}
+    abort_at = abort_at or {}
+    tokens: dict[str, list[int]] = {rid: [] for rid in requests}
+    done: set[str] = set()
+    for step in range(max_steps):
+        for rid, (ids, params) in requests.items():
+            if arrival_step.get(rid, 0) == step:
+                engine.add_request(rid, ids, params)
+        for rid, at in abort_at.items():
+            if at == step:
+                engine.abort(rid)
+        outputs = engine._drain_inbox(block=False)
+        if engine.scheduler.has_work():
+            outputs += engine.step()
+        for out in outputs:
+            tokens[out.request_id].extend(out.new_token_ids)
+            if out.finish_reason is not None:
+                done.add(out.request_id)
+        if len(done) == len(requests) and step >= max(arrival_step.values(), default=0):
+            return tokens
+    raise AssertionError(f"requests did not finish in {max_steps} steps: {set(requests) - done}")
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
