@@ -13,8 +13,9 @@
 #   PYTHON_IMAGE          base of the CPU image: a Debian bookworm with Python 3.11
 #   TORCH_VERSION         torch release for both targets
 #   TORCH_INDEX_URL       where the CPU build's torch comes from (PyTorch's CPU wheel index: never a CUDA build)
-#   CUDA_DEVEL_IMAGE, CUDA_RUNTIME_IMAGE, TORCH_CUDA_INDEX_URL, MAX_JOBS   the CUDA target; keep the CUDA major
-#                         version of the images and of the torch index the same (flash-attn compiles against both)
+#   CUDA_DEVEL_IMAGE, CUDA_RUNTIME_IMAGE, TORCH_CUDA (a PyTorch wheel index name: cu126, cu128, ...), MAX_JOBS
+#                         the CUDA target; keep the images' CUDA major version and TORCH_CUDA's the same
+#                         (flash-attn compiles against both; it fetches a prebuilt wheel when one matches)
 # Build context `torch-wheels` (optional): a folder holding the torch +cpu wheel, for a build that cannot reach
 # PyTorch's index, e.g. `podman build --build-context torch-wheels=/opt/wheels .`; pip then takes torch from it
 # and torch's dependencies from PyPI.
@@ -72,19 +73,19 @@ RUN pip install --no-deps .
 FROM ${CUDA_DEVEL_IMAGE} AS cuda-builder
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 ARG TORCH_VERSION=2.13.0
-ARG TORCH_CUDA_INDEX_URL=https://download.pytorch.org/whl/cu128
+ARG TORCH_CUDA=cu128
 ARG MAX_JOBS=4
 # hadolint ignore=DL3008
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends python3 python3-venv python3-dev git \
+    && apt-get install -y --no-install-recommends python3 python3-venv python3-dev \
     && rm -rf /var/lib/apt/lists/*
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PATH=/opt/venv/bin:$PATH
 COPY --chmod=755 deploy/trim-torch.sh /opt/trim-torch.sh
 RUN python3 -m venv /opt/venv \
-    && pip install --index-url "$TORCH_CUDA_INDEX_URL" --extra-index-url https://pypi.org/simple "torch==${TORCH_VERSION}" \
-    && echo "torch==${TORCH_VERSION}" > /opt/torch-constraint.txt \
+    && pip install --index-url "https://download.pytorch.org/whl/${TORCH_CUDA}" "torch==${TORCH_VERSION}+${TORCH_CUDA}" \
+    && echo "torch==${TORCH_VERSION}+${TORCH_CUDA}" > /opt/torch-constraint.txt \
     && /opt/trim-torch.sh
 ENV PIP_CONSTRAINT=/opt/torch-constraint.txt
 WORKDIR /src
@@ -117,8 +118,7 @@ ENV PATH=/opt/venv/bin:$PATH \
     NVIDIA_DRIVER_CAPABILITIES=compute,utility \
     LLMSERVE_HOST=0.0.0.0 \
     LLMSERVE_PORT=8000 \
-    LLMSERVE_MODELS_DIR=/models \
-    LLMSERVE_DEVICE=cuda
+    LLMSERVE_MODELS_DIR=/models
 USER 10001:10001
 WORKDIR /home/llmserve
 EXPOSE 8000
