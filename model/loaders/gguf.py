@@ -9,6 +9,8 @@ import gguf
 import numpy as np
 import torch
 
+from model.loaders.errors import CheckpointFileError
+
 # llama.cpp tensor name -> transformers name ({n} = layer index)
 GGUF_TO_HF = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -33,7 +35,14 @@ class GGUFFile:
         try:
             self.reader = gguf.GGUFReader(str(self.path))
         except Exception as exc:  # the gguf package raises assorted errors on truncated or corrupt files
-            raise ValueError(f"{self.path}: not a readable GGUF file ({exc})") from exc
+            raise CheckpointFileError(f"{self.path}: not a readable GGUF file ({exc!r})") from exc
+        size = self.path.stat().st_size
+        for t in self.reader.tensors:  # the reader maps tensors lazily, so a cut-off file only shows in the offsets
+            if t.data_offset + t.n_bytes > size:
+                raise CheckpointFileError(
+                    f"{self.path}: truncated: tensor {t.name!r} ends at byte {t.data_offset + t.n_bytes} "
+                    f"but the file has {size} bytes"
+                )
 
     def metadata(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -53,17 +62,22 @@ class GGUFFile:
     def tensors(self, num_heads: int, num_kv_heads: int) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield (transformers name, float32 tensor [out, in]) with llama.cpp's Q/K row permutation undone."""
         for t in self.reader.tensors:
-            hf_name = _hf_name(t.name)
-            array = gguf.quants.dequantize(t.data, t.tensor_type)  # numpy, shape = reversed(t.shape): [out, in]
-            tensor = torch.from_numpy(np.array(array, dtype=np.float32))  # a copy: F32 tensors arrive as read-only memmaps
-            if hf_name.endswith("q_proj.weight"):
+            name = hf_name(t.name)
+            try:
+                array = gguf.quants.dequantize(t.data, t.tensor_type)  # float32 numpy [out, in] (reversed t.shape)
+            except NotImplementedError as exc:
+                raise CheckpointFileError(f"{self.path}: tensor {t.name!r}: {exc}") from exc
+            if not array.flags.writeable:  # F32 tensors come back as views of the read-only file mapping
+                array = np.array(array)
+            tensor = torch.from_numpy(array)
+            if name.endswith("q_proj.weight"):
                 tensor = unpermute(tensor, num_heads)
-            elif hf_name.endswith("k_proj.weight"):
+            elif name.endswith("k_proj.weight"):
                 tensor = unpermute(tensor, num_kv_heads)
-            yield hf_name, tensor
+            yield name, tensor
 
 
-def _hf_name(name: str) -> str:
+def hf_name(name: str) -> str:
     for pattern, target in _PATTERNS:
         m = pattern.match(name)
         if m:

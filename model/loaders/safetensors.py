@@ -13,16 +13,14 @@ from typing import Any
 
 import torch
 
+from model.loaders.errors import CheckpointFileError
+
 DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
     "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
 }  # fmt: skip
 MAX_HEADER = 100 * 2**20  # the format caps the JSON header at 100 MB
-
-
-class CheckpointFileError(ValueError):
-    """A checkpoint file that cannot be read: truncated, corrupt, or missing. The message names the file."""
 
 
 def safetensors_files(folder: Path) -> list[Path]:
