@@ -43,7 +43,9 @@ if [[ "${NO_BUILD:-0}" != 1 ]]; then
     if [[ -z "${PYTHON_IMAGE:-}" ]]; then
         PYTHON_IMAGE=localhost/llmserve-base:bookworm
         step "base image $PYTHON_IMAGE (debootstrapped Debian bookworm, python3.11)"
+        start=$(date +%s)
         scripts/build-base-image.sh "$PYTHON_IMAGE"
+        echo "base image ready in $(( $(date +%s) - start ))s"
     fi
     build_args=(--isolation=chroot --network=host --format docker --layers --target cpu
                 --build-arg "PYTHON_IMAGE=$PYTHON_IMAGE" -t "$IMAGE")
@@ -102,7 +104,7 @@ unshare --mount --propagation private -- /bin/sh -c '
 server_pid=$!
 dead() { ! kill -0 "$server_pid" 2>/dev/null; }
 
-status=""
+status="" start=$(date +%s)
 for _ in $(seq 1 300); do
     dead && { tail -n 40 "$tmp/server.log"; fail "server exited before it was healthy"; }
     status=$(curl -s -o /dev/null -w '%{http_code}' "$base/health" || true)
@@ -110,7 +112,7 @@ for _ in $(seq 1 300); do
     sleep 1
 done
 [[ "$status" == 200 ]] || { tail -n 40 "$tmp/server.log"; fail "/health never answered 200 (last: $status)"; }
-echo "/health 200"
+echo "/health 200, $(( $(date +%s) - start ))s after start"
 
 # The image's HEALTHCHECK command, run as `docker exec` would: in the server's mount namespace, root and cwd.
 nsenter --target "$server_pid" --mount --root --wd -S "$uid" -G "$gid" \
