@@ -99,6 +99,16 @@ class Decoder(nn.Module):
         self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
         self.tie_weights()
 
+    @classmethod
+    def allocate(cls, config: ModelConfig, max_positions: int, dtype: torch.dtype, device: torch.device) -> "Decoder":
+        """Uninitialized parameters in `dtype` on `device`, ready for load_weights. The dtype is set while still on
+        the meta device: to_empty() in float32 then .to(bfloat16) would touch (make resident) the float32 copy."""
+        with torch.device("meta"):
+            decoder = cls(config, max_positions)
+        decoder = decoder.to(dtype).to_empty(device=device)
+        decoder.tie_weights()
+        return decoder
+
     def tie_weights(self) -> None:
         # to_empty() re-creates parameters, which unties them: call again after moving off the meta device
         if self.config.tie_word_embeddings:
