@@ -135,7 +135,7 @@ def profile_decode(engine: Engine, n: int, prompt_tokens: int, num_steps: int, r
     while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    with profile(activities=activities) as prof:
+    with profile(activities=activities, record_shapes=True) as prof:
         started = time.perf_counter()
         for _ in range(num_steps):
             engine.step()
@@ -147,6 +147,8 @@ def profile_decode(engine: Engine, n: int, prompt_tokens: int, num_steps: int, r
     print(f"\n## torch.profiler: {num_steps} decode steps at {n} streams, {1000 * wall / num_steps:.1f} ms/step wall")
     print(f"(self CPU time of all recorded ops: {op_cpu_us / 1000 / num_steps:.1f} ms/step; the rest is Python outside torch ops)\n")
     print(averages.table(sort_by="self_cpu_time_total", row_limit=row_limit))
+    # The same ops split by input shapes: which matrix product (LM head, MLP, QKV) the time goes to.
+    print(prof.key_averages(group_by_input_shape=True).table(sort_by="self_cpu_time_total", row_limit=8, max_name_column_width=40))
 
 
 def main() -> None:
