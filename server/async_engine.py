@@ -118,7 +118,9 @@ class RequestStream:
                 self._engine.abort_engine_request(choice.engine_id)
             finish = "stop"
         elif finish is not None:
-            text += choice.emitter.flush()
+            # A character cut in half by max_tokens can never be completed: drop it rather than send U+FFFD
+            # (the tokens still count in usage, and logprobs still show their bytes).
+            text += choice.emitter.flush().rstrip("\ufffd")
         if finish is not None:
             self._finish(choice, finish)
         return Delta(index, text, list(out.new_token_ids), out.logprobs, finish, out.num_prompt_tokens or choice.prompt_tokens,

@@ -6,7 +6,7 @@ Response and chunk models live in `server/responses.py`.
 """
 
 import logging
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -24,7 +24,7 @@ class OpenAIModel(BaseModel):
     def _log_unknown_fields(self) -> "OpenAIModel":
         for name in self.model_extra or {}:
             key = (type(self).__name__, name)
-            if key not in _logged_extra:
+            if key not in _logged_extra and len(_logged_extra) < 256:  # bounded: clients choose these names
                 _logged_extra.add(key)
                 logger.warning("%s: ignoring unknown field %r (logged once)", type(self).__name__, name)
         return self
@@ -46,6 +46,7 @@ class ChatMessage(OpenAIModel):
 
 
 Stop = str | list[str] | None
+Bias = Annotated[float, Field(ge=-100, le=100)]
 
 
 class SamplingFields(OpenAIModel):
@@ -57,6 +58,16 @@ class SamplingFields(OpenAIModel):
         top_p = 1.0 if data["top_p"] is None else data["top_p"]
         if top_p == 0:  # OpenAI accepts 0: only the most likely token survives, i.e. greedy
             temperature, top_p = 0.0, 1.0
+        if temperature < 1e-5:  # dividing logits by ~0 overflows to inf/NaN; this close to 0 it is greedy anyway (vLLM)
+            temperature = 0.0
+        try:
+            return self._build(data, temperature, top_p, max_tokens, logprobs)
+        except ValueError as exc:  # SamplingParams says "param: why"; a client's bad value, never a 500
+            param, _, _ = str(exc).partition(":")
+            raise bad_request(str(exc), param=param if param.isidentifier() else None) from exc
+
+    @staticmethod
+    def _build(data: dict[str, Any], temperature: float, top_p: float, max_tokens: int, logprobs: int | None) -> SamplingParams:
         return SamplingParams(
             temperature=temperature,
             top_p=top_p,
@@ -90,7 +101,7 @@ class SamplingFields(OpenAIModel):
                 raise bad_request(f"logit_bias: {token_id} is not a token id (vocabulary size {vocab_size})", "logit_bias")
 
 
-def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+def _logit_bias(bias: dict[str, Bias] | None) -> dict[int, float] | None:
     if not bias:
         return None
     out: dict[int, float] = {}
@@ -132,7 +143,7 @@ class ChatCompletionRequest(SamplingFields):
     model: str
     audio: dict[str, Any] | None = None
     frequency_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, Bias] | None = None
     logprobs: bool | None = False
     max_completion_tokens: int | None = Field(None, ge=1)
     max_tokens: int | None = Field(None, ge=1)
@@ -220,7 +231,7 @@ class CompletionRequest(SamplingFields):
     best_of: int | None = Field(None, ge=1, le=20)
     echo: bool | None = False
     frequency_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, Bias] | None = None
     logprobs: int | None = Field(None, ge=0, le=20)
     max_tokens: int | None = Field(16, ge=1)
     n: int | None = Field(1, ge=1, le=128)
@@ -255,7 +266,8 @@ class CompletionRequest(SamplingFields):
             raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
 
     def to_sampling_params(self, prompt_tokens: int, max_model_len: int) -> SamplingParams:
-        return self._common_params(resolve_max_tokens(self.max_tokens, prompt_tokens, max_model_len), self.logprobs)
+        requested = 16 if self.max_tokens is None else self.max_tokens  # OpenAI: "defaults to 16", null included
+        return self._common_params(resolve_max_tokens(requested, prompt_tokens, max_model_len), self.logprobs)
 
 
 class TokenizeRequest(OpenAIModel):
@@ -263,7 +275,7 @@ class TokenizeRequest(OpenAIModel):
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 

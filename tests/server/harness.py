@@ -65,7 +65,8 @@ def parse_metrics(text: str) -> dict[str, float]:
     return out
 
 
-def start_server(settings: Settings, **app_kwargs: Any) -> tuple[LiveServer, threading.Thread]:
+def launch(settings: Settings, **app_kwargs: Any) -> tuple[LiveServer, threading.Thread]:
+    """Start serving in a background thread and return at once (the model may still be loading)."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))  # a free port, held from here on: no race with other processes
@@ -75,15 +76,22 @@ def start_server(settings: Settings, **app_kwargs: Any) -> tuple[LiveServer, thr
     server = make_server(app, "127.0.0.1", port, log_level="warning")
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
-    live = LiveServer(f"http://127.0.0.1:{port}", app, server)
+    return LiveServer(f"http://127.0.0.1:{port}", app, server), thread
+
+
+def start_server(settings: Settings, **app_kwargs: Any) -> tuple[LiveServer, threading.Thread]:
+    """Start serving and wait until /health says the engine is ready."""
+    live, thread = launch(settings, **app_kwargs)
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline:
-        if app.state.load_error:
-            raise RuntimeError(app.state.load_error)
+        if live.app.state.load_error:
+            stop_server(live, thread)
+            raise RuntimeError(live.app.state.load_error)
         with contextlib.suppress(httpx.HTTPError):
             if httpx.get(live.url + "/health", timeout=2).status_code == 200:
                 return live, thread
         time.sleep(0.2)
+    stop_server(live, thread)
     raise RuntimeError("server did not become healthy in 240 s")
 
 
