@@ -2,6 +2,7 @@
 Architecture differences are ModelConfig fields; checkpoint names are mapped by tables in load_weights."""
 
 from collections.abc import Iterable
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -75,7 +76,7 @@ class DecoderLayer(nn.Module):
 class Decoder(nn.Module):
     # checkpoint name fragment -> (our fused parameter fragment, shard index); checkpoints that are already
     # fused (Phi-3's qkv_proj, gate_up_proj) match our names directly and fill every shard at once
-    PACKED = {
+    PACKED: ClassVar[dict[str, tuple[str, int]]] = {
         ".q_proj.": (".qkv_proj.", 0),
         ".k_proj.": (".qkv_proj.", 1),
         ".v_proj.": (".qkv_proj.", 2),

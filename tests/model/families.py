@@ -8,6 +8,7 @@ import torch
 from tokenizers import Tokenizer as RawTokenizer
 from tokenizers.models import WordLevel
 from transformers import (
+    AutoModelForCausalLM,
     Gemma3TextConfig,
     LlamaConfig,
     MistralConfig,
@@ -18,7 +19,6 @@ from transformers import (
     Qwen2Config,
     Qwen3Config,
 )
-from transformers import AutoModelForCausalLM
 
 from model.batch import Batch
 from model.decoder import Decoder

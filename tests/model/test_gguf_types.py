@@ -2,6 +2,8 @@
 Our dequantized weights must equal gguf's dequantize, and our logits must equal transformers' on those same
 dequantized weights (so the only error left is the quantization's own) and stay near the float original's."""
 
+import subprocess
+import sys
 from pathlib import Path
 
 import gguf
@@ -93,9 +95,9 @@ def write_gguf(model: LlamaForCausalLM, path: Path, qtype: Q) -> Path:
     writer.add_layer_norm_rms_eps(c.rms_norm_eps)
     writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
     writer.add_vocab_size(c.vocab_size)
-    for hf_name, tensor in model.state_dict().items():
-        layer = hf_name.split(".")[2] if hf_name.startswith("model.layers.") else None
-        key = hf_name.replace(f".{layer}.", ".{}.", 1) if layer is not None else hf_name
+    for ours, tensor in model.state_dict().items():
+        layer = ours.split(".")[2] if ours.startswith("model.layers.") else None
+        key = ours.replace(f".{layer}.", ".{}.", 1) if layer is not None else ours
         name = HF_TO_GGUF[key].format(layer)
         w = tensor.numpy()
         if name.endswith("attn_q.weight"):
@@ -165,3 +167,16 @@ def test_gguf_type_dequantizes_exactly_and_stays_within_quantization_error(
         reference = hf_logits(float_model, prompt)
         error = ((logits - reference).norm() / reference.norm()).item()
         assert error <= RELATIVE_ERROR[qtype], f"{qtype.name}: relative logit error {error:.2e}"
+
+
+def test_llmserve_inspect_on_the_real_default_model(default_model_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "server", "inspect", str(default_model_path), "--max-model-len", "256"],
+        cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "architecture=llama layers=30 heads=9 kv_heads=3 head_dim=64 hidden=576" in result.stdout
+    assert "vocab=49152" in result.stdout
+    # the fused projections: q (9 x 64) + k, v (3 x 64 each) = 960 rows; gate + up = 2 x 1536
+    assert "(qkv_proj): Linear(in_features=576, out_features=960, bias=False)" in result.stdout
+    assert "(gate_up_proj): Linear(in_features=576, out_features=3072, bias=False)" in result.stdout
