@@ -117,11 +117,14 @@ def _decoder(tokenizer: Tokenizer, skip_special_tokens: bool) -> Callable[[list[
     """ids -> text without transformers' clean-up pass (it rewrites " ." and " 's" by context, so it cannot be
     applied to pieces; the default model does not use it). The Rust decoder directly when there is one."""
     backend = getattr(tokenizer.hf, "backend_tokenizer", None)
-    if backend is not None:
-        return functools.partial(backend.decode, skip_special_tokens=skip_special_tokens)
-    return functools.partial(
-        tokenizer.hf.decode, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
-    )
+    hf = tokenizer.hf
+
+    def decode(ids: list[int]) -> str:
+        if backend is not None:
+            return str(backend.decode(ids, skip_special_tokens=skip_special_tokens))
+        return str(hf.decode(ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False))
+
+    return decode
 
 
 @functools.lru_cache(maxsize=8)

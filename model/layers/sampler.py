@@ -10,6 +10,8 @@ torch.multinomial / exponential noise ~15-35 ms, so the sampler never sorts the 
 and draws one uniform per row (a two-level inverse CDF) instead of V exponentials.
 """
 
+import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -19,7 +21,7 @@ from torch import nn
 from model.sampling_params import SamplingParams, TokenLogprob
 
 _MIN_TEMPERATURE = 1e-5  # below this a row is greedy: logits / T would overflow and the result is argmax anyway
-_FIRST_NUCLEUS_GUESS = 128  # top-p first looks at the top 128 tokens, then 8x more until the nucleus fits
+_FIRST_NUCLEUS_GUESS = 128  # top-p first looks at the top 128 tokens, then wider until the nucleus fits
 _BLOCK = 128  # ids per block of the two-level inverse-CDF draw
 _TINY = torch.finfo(torch.float32).tiny
 
@@ -40,14 +42,12 @@ class SamplingBatch:
     # Sparse edits: (row index [N], token id [N], value [N]); None when no row needs them.
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     banned: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, ids) set to -inf: eos/stop ids under min_tokens
-    # Penalties: only the rows that use them, as dense [R, V] tensors built once per step.
-    penalty_rows: torch.Tensor | None = None  # [R] int64
-    output_counts: torch.Tensor | None = None  # [R, V] float32, occurrences in the generated tokens
-    presence: torch.Tensor | None = None  # [R, 1] float32
-    frequency: torch.Tensor | None = None  # [R, 1] float32
-    repetition_rows: torch.Tensor | None = None  # [S] int64
-    seen: torch.Tensor | None = None  # [S, V] bool, token occurs in prompt or output
-    repetition: torch.Tensor | None = None  # [S, 1] float32
+    # Penalties as sparse (row, token id) lists: only tokens that occurred can be penalized, so no [B, V] tensor.
+    counted: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (rows, ids, count in the output) [N]
+    presence: torch.Tensor | None = None  # [B] float32
+    frequency: torch.Tensor | None = None  # [B] float32
+    seen: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, ids) [M]: in prompt or output, repetition rows only
+    repetition: torch.Tensor | None = None  # [B] float32
     logprobs: list[int | None] | None = None  # per row: None or how many top alternatives; None when no row asks
 
     @classmethod
@@ -61,8 +61,8 @@ class SamplingBatch:
         vocab_size: int,
         device: torch.device,
     ) -> "SamplingBatch":
-        def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=device)
+        def tensor(values: Sequence[object], dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(list(values), dtype=dtype, device=device)
 
         greedy = [p.temperature < _MIN_TEMPERATURE for p in params]
         sampled = [p for p, g in zip(params, greedy) if not g]
@@ -84,8 +84,8 @@ class SamplingBatch:
 
         bias = [(i, t, b) for i, p in enumerate(params) for t, b in (p.logit_bias or {}).items() if 0 <= t < vocab_size]
         if bias:
-            rows, ids, values = zip(*bias)
-            batch.logit_bias = (tensor(rows, torch.int64), tensor(ids, torch.int64), tensor(values, torch.float32))
+            bias_rows, bias_ids, bias_values = zip(*bias)
+            batch.logit_bias = (tensor(bias_rows, torch.int64), tensor(bias_ids, torch.int64), tensor(bias_values, torch.float32))
 
         # min_tokens: the row may not end yet, so every id that would end it is banned (ignore_eos does not matter).
         banned = [
@@ -96,35 +96,33 @@ class SamplingBatch:
             if 0 <= t < vocab_size
         ]
         if banned:
-            rows, ids = zip(*banned)
-            batch.banned = (tensor(rows, torch.int64), tensor(ids, torch.int64))
+            banned_rows, banned_ids = zip(*banned)
+            batch.banned = (tensor(banned_rows, torch.int64), tensor(banned_ids, torch.int64))
 
         pen = [i for i, p in enumerate(params) if p.presence_penalty != 0 or p.frequency_penalty != 0]
         if pen:
-            batch.penalty_rows = tensor(pen, torch.int64)
-            batch.output_counts = _scatter([output_token_ids[i] for i in pen], vocab_size, device, torch.float32)
-            batch.presence = tensor([[params[i].presence_penalty] for i in pen], torch.float32)
-            batch.frequency = tensor([[params[i].frequency_penalty] for i in pen], torch.float32)
+            rows, ids, counts = _occurrences([output_token_ids[i] for i in pen], pen, vocab_size, device)
+            batch.counted = (rows, ids, counts.float())
+            batch.presence = tensor([p.presence_penalty for p in params], torch.float32)
+            batch.frequency = tensor([p.frequency_penalty for p in params], torch.float32)
         rep = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
         if rep:
-            batch.repetition_rows = tensor(rep, torch.int64)
             ids_per_row = [prompt_token_ids[i] + output_token_ids[i] for i in rep]
-            batch.seen = _scatter(ids_per_row, vocab_size, device, torch.float32) > 0
-            batch.repetition = tensor([[params[i].repetition_penalty] for i in rep], torch.float32)
+            batch.seen = _occurrences(ids_per_row, rep, vocab_size, device)[:2]
+            batch.repetition = tensor([p.repetition_penalty for p in params], torch.float32)
         return batch
 
 
-def _scatter(ids_per_row: list[list[int]], vocab_size: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """[R, V] counts of each token id per row. Ids outside the vocabulary are dropped."""
-    rows = [r for r, ids in enumerate(ids_per_row) for _ in ids]
-    ids = [t for ids in ids_per_row for t in ids]
-    counts = torch.zeros(len(ids_per_row), vocab_size + 1, dtype=dtype, device=device)  # last column: dropped ids
-    if ids:
-        index = torch.tensor(ids, dtype=torch.int64, device=device)
-        index = torch.where((index >= 0) & (index < vocab_size), index, vocab_size)
-        rows_t = torch.tensor(rows, dtype=torch.int64, device=device)
-        counts.index_put_((rows_t, index), torch.ones(len(ids), dtype=dtype, device=device), accumulate=True)
-    return counts[:, :vocab_size]
+def _occurrences(
+    ids_per_row: list[list[int]], row_index: list[int], vocab_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(rows, ids, counts), each [N]: every distinct in-vocabulary id of each row, how often it occurs, and the row's
+    index in the batch (row_index[r] for ids_per_row[r])."""
+    ids = torch.tensor(list(itertools.chain.from_iterable(ids_per_row)), dtype=torch.int64)  # [T], on CPU for unique
+    rows = torch.repeat_interleave(torch.tensor(row_index), torch.tensor([len(r) for r in ids_per_row]))  # [T]
+    valid = (ids >= 0) & (ids < vocab_size)
+    keys, counts = torch.unique(rows[valid] * vocab_size + ids[valid], return_counts=True)  # [N]
+    return (keys // vocab_size).to(device), (keys % vocab_size).to(device), counts.to(device)
 
 
 @dataclass
@@ -148,19 +146,22 @@ class Sampler(nn.Module):
 
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """logit_bias, repetition (HF), presence/frequency (OpenAI), min_tokens bans; out of place, [B, V] float32."""
+    """logit_bias, repetition (HF), presence/frequency (OpenAI), min_tokens bans: sparse edits of a [B, V] copy."""
+    if batch.logit_bias is None and batch.seen is None and batch.counted is None and batch.banned is None:
+        return logits
+    logits = logits.clone()
     if batch.logit_bias is not None:
-        logits = logits.index_put(batch.logit_bias[:2], batch.logit_bias[2], accumulate=True)
-    if batch.seen is not None and batch.repetition_rows is not None and batch.repetition is not None:
-        rows = logits[batch.repetition_rows]  # [S, V]
-        penalized = torch.where(rows > 0, rows / batch.repetition, rows * batch.repetition)
-        logits = logits.index_copy(0, batch.repetition_rows, torch.where(batch.seen, penalized, rows))
-    if batch.output_counts is not None and batch.penalty_rows is not None:
-        counts = batch.output_counts  # [R, V]
-        delta = counts * batch.frequency + (counts > 0).float() * batch.presence
-        logits = logits.index_add(0, batch.penalty_rows, -delta)
+        logits.index_put_(batch.logit_bias[:2], batch.logit_bias[2], accumulate=True)
+    if batch.seen is not None and batch.repetition is not None:  # divide positive logits, multiply negative ones
+        rows, ids = batch.seen
+        values, penalty = logits[rows, ids], batch.repetition[rows]  # [M]
+        logits.index_put_((rows, ids), torch.where(values > 0, values / penalty, values * penalty))
+    if batch.counted is not None and batch.frequency is not None and batch.presence is not None:
+        rows, ids, counts = batch.counted  # over generated tokens only; every listed id occurred (count >= 1)
+        penalty = counts * batch.frequency[rows] + batch.presence[rows]  # [N]
+        logits.index_put_((rows, ids), -penalty, accumulate=True)
     if batch.banned is not None:
-        logits = logits.index_put(batch.banned, torch.tensor(float("-inf"), device=logits.device))
+        logits.index_put_(batch.banned, torch.tensor(float("-inf"), device=logits.device))
     return logits
 
 
@@ -243,8 +244,12 @@ def truncation_threshold(probs: torch.Tensor, batch: SamplingBatch) -> torch.Ten
         fits = (~keep[:, -1]) | (top_k <= k_head) | (k_head == vocab)
         last = keep.sum(dim=-1) - 1  # [P] rank of the least likely kept token
         threshold[pending[fits]] = head[fits].gather(1, last[fits][:, None])
+        # Widen 8x, or more where the head holds only a small part of the mass the nucleus needs (a flat row):
+        # straight to the whole vocabulary rather than paying for several ever larger topk calls.
+        short = (top_p * mass / cum[:, -1].clamp_min(_TINY))[~fits]  # [P'] needed / held, >= 1 for the pending
         pending = pending[~fits]
-        k_guess = k_head * 8
+        wider = k_head * max(8.0, 2.0 * float(short.max())) if short.numel() else vocab
+        k_guess = vocab if wider > vocab // 4 else int(wider)
     return threshold
 
 
@@ -263,11 +268,10 @@ def compute_logprobs(raw: torch.Tensor, token_ids: torch.Tensor, wanted: list[in
     logprobs = torch.log_softmax(raw[rows].float(), dim=-1)  # [R, V]
     chosen = logprobs.gather(1, token_ids[rows][:, None]).squeeze(-1).tolist()  # [R]
     k_max = max(wanted[i] or 0 for i in rows)
-    top_values, top_ids = logprobs.topk(k_max, dim=-1) if k_max > 0 else (logprobs[:, :0], logprobs[:, :0].long())
-    top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    top = logprobs.topk(k_max, dim=-1)  # [R, k_max], sorted descending
+    top_values, top_ids = top.values.tolist(), top.indices.tolist()
     out: list[TokenLogprob | None] = [None] * len(wanted)
     for j, i in enumerate(rows):
         k = wanted[i] or 0
-        top = list(zip(top_ids[j][:k], top_values[j][:k]))
-        out[i] = TokenLogprob(int(token_ids[i]), chosen[j], top)
+        out[i] = TokenLogprob(int(token_ids[i]), chosen[j], list(zip(top_ids[j][:k], top_values[j][:k])))
     return out

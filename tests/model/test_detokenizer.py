@@ -17,7 +17,8 @@ SENTENCE = "The stop word STOP ends here"  # ['The', ' stop', ' word', ' ST', 'O
 def stream(tok: Tokenizer, ids: list[int], stop: list[str], include: bool = False, sizes: list[int] | None = None) -> tuple[list[str], TextEmitter]:
     """Push `ids` in chunks of `sizes` (cycled; default one token at a time), then flush; the deltas and the emitter."""
     emitter = TextEmitter(tok, stop, include_stop_str_in_output=include)
-    deltas, i, sizes = [], 0, sizes or [1]
+    deltas: list[str] = []
+    i, sizes = 0, sizes or [1]
     while i < len(ids):
         size = sizes[len(deltas) % len(sizes)]
         deltas.append(emitter.push(ids[i : i + size]))

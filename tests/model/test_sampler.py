@@ -133,7 +133,7 @@ def test_tempered_distribution_passes_chi_square(top_p: float) -> None:
 def test_seeded_generators_draw_the_tempered_distribution() -> None:
     """The per-row generator path: 20,000 rows, each with its own seed."""
     draws, temperature = 20_000, 0.7
-    generators = [torch.Generator().manual_seed(1000 + i) for i in range(draws)]
+    generators: list[torch.Generator | None] = [torch.Generator().manual_seed(1000 + i) for i in range(draws)]
     params = [SamplingParams(temperature=temperature, seed=1000 + i) for i in range(draws)]
     ids = Sampler()(LOGITS_8.expand(draws, 8), build(params, 8, generators=generators)).token_ids
     expected = torch.softmax(LOGITS_8[0].double() / temperature, dim=-1) * draws
