@@ -5,7 +5,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from model.layers.sampler import Sampler, SamplingBatch, apply_penalties, filtered_probs
+from model.layers.sampler import Sampler, SamplingBatch, apply_penalties, filtered_probs, top_k_of
 from model.sampling_params import SamplingParams
 
 EOS = 2
@@ -265,3 +265,12 @@ def test_logprobs_are_raw_log_softmax_with_sorted_top_lists(dtype: torch.dtype) 
 def test_out_of_range_params_name_the_parameter(kwargs: dict, param: str) -> None:
     with pytest.raises(ValueError, match=f"^{param}:"):
         SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("k", [1, 5, 20, 128, 1000])
+def test_blocked_top_k_equals_torch_topk(k: int) -> None:
+    x = torch.softmax(distinct_logits(6, 49152, 3.0, 9), dim=-1)
+    x[0, :64] = x[0].max() + 1.0  # one block holding many of the largest values
+    got, want = top_k_of(x, k), x.topk(k, dim=-1)
+    assert torch.equal(got.values, want.values)
+    assert torch.equal(x.gather(1, got.indices), want.values)  # ids point at those values (ties may swap ids)
