@@ -183,3 +183,19 @@ def test_byte_fallback_streamed_deltas_equal_the_full_decode(byte_fallback_token
         shown += delta
         assert full.startswith(shown)
     assert shown == full
+
+
+def test_each_push_decodes_a_bounded_window(default_tokenizer: Tokenizer) -> None:
+    """O(1) per token: pushing a long output token by token never decodes more than a few ids at once."""
+    ids = default_tokenizer.encode("Streaming text, 日本語 and 🎉 emoji, token by token. " * 60, add_special_tokens=False)
+    emitter = TextEmitter(default_tokenizer, ["never appears"])
+    decode, widths = emitter._decode, []
+
+    def counting(window: list[int]) -> str:
+        widths.append(len(window))
+        return decode(window)
+
+    emitter._decode = counting
+    text = "".join(emitter.push([i]) for i in ids) + emitter.flush()
+    assert text == default_tokenizer.decode(ids) and len(ids) > 1000
+    assert max(widths) <= 8
