@@ -3,6 +3,7 @@
 
     .venv/bin/python bench/engine_throughput.py                       # concurrency 1, 4, 16
     .venv/bin/python bench/engine_throughput.py --concurrency 1 16 --gen-tokens 64 -- --quantization int8
+    .venv/bin/python bench/engine_throughput.py --threads 1 2 --concurrency 1 16   # thread counts side by side
     .venv/bin/python bench/engine_throughput.py --profile             # top torch ops over decode steps
 
 Flags after `--` are `llmserve serve` flags (Settings). Numbers on a shared 2-core machine are noisy: compare
@@ -159,6 +160,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16], help="streams per level")
     parser.add_argument("--prompt-tokens", type=int, default=146, help="chat-templated prompt tokens per request")
     parser.add_argument("--gen-tokens", type=int, default=128, help="generated tokens per request (EOS ignored)")
+    parser.add_argument("--threads", type=int, nargs="+", default=[], help="torch thread counts to compare, level by level, in one run")
     parser.add_argument("--profile", action="store_true", help="after the levels, profile decode steps with torch.profiler")
     parser.add_argument("--profile-concurrency", type=int, default=16, help="streams while profiling")
     parser.add_argument("--profile-steps", type=int, default=20, help="decode steps to profile")
@@ -176,14 +178,21 @@ def main() -> None:
     print(f"prompt ~{args.prompt_tokens} tokens, {args.gen_tokens} generated (greedy, EOS ignored), max_num_batched_tokens={settings.max_num_batched_tokens}\n")
 
     run_level(engine, -1, 1, args.prompt_tokens, 8)  # warm-up: first-call allocations and kernel selection
-    results: list[LevelResult] = []
+    # Thread counts alternate within each level, so a change in machine load hits all of them alike.
+    thread_counts = args.threads or [torch.get_num_threads()]
+    results: dict[int, list[LevelResult]] = {t: [] for t in thread_counts}
     next_index = 0
     for n in [] if args.skip_levels else args.concurrency:
-        results.append(run_level(engine, next_index, n, args.prompt_tokens, args.gen_tokens))
-        next_index += n
-        print(f"  {n} streams: {results[-1].output_tps:.1f} output tok/s", file=sys.stderr, flush=True)
-    if results:
-        print_table(results)
+        for t in thread_counts:
+            torch.set_num_threads(t)
+            results[t].append(run_level(engine, next_index, n, args.prompt_tokens, args.gen_tokens))
+            next_index += n
+            print(f"  {n} streams, {t} threads: {results[t][-1].output_tps:.1f} output tok/s", file=sys.stderr, flush=True)
+    for t, rows in results.items():
+        if rows:
+            print(f"\n## {t} threads\n" if len(results) > 1 else "")
+            print_table(rows)
+    torch.set_num_threads(thread_counts[0])
     if args.profile:
         profile_decode(engine, args.profile_concurrency, args.prompt_tokens, args.profile_steps, row_limit=15)
 
