@@ -43,7 +43,7 @@ FAMILIES: dict[str, Family] = {
     ),
 }
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
-GGUF_ARCHITECTURES = ("llama",)
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")  # general.architecture values; same names as FAMILIES
 ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -200,6 +200,7 @@ class ModelConfig:
         rope_scaling = None
         if get("rope.scaling.type") == "linear":
             rope_scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
+        family = FAMILIES[arch]
         return cls(
             architecture=arch,
             vocab_size=int(vocab),
@@ -214,6 +215,11 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=int(get("context_length", 2048)),
             tie_word_embeddings="output.weight" not in tensor_names,
+            # biases and q/k norms are whatever tensors the converter wrote
+            attention_bias="blk.0.attn_q.bias" in tensor_names,
+            o_bias="blk.0.attn_output.bias" in tensor_names,
+            qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+            weight_names=family.weight_names,
             bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=(int(eos),) if eos is not None else (),
         )

@@ -11,22 +11,30 @@ import torch
 
 from model.loaders.errors import CheckpointFileError
 
-# llama.cpp tensor name -> transformers name ({n} = layer index)
+# llama.cpp tensor name -> transformers name, without the .weight / .bias suffix ({n} = layer index)
 GGUF_TO_HF = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-    "blk.{n}.attn_norm.weight": "model.layers.{n}.input_layernorm.weight",
-    "blk.{n}.attn_q.weight": "model.layers.{n}.self_attn.q_proj.weight",
-    "blk.{n}.attn_k.weight": "model.layers.{n}.self_attn.k_proj.weight",
-    "blk.{n}.attn_v.weight": "model.layers.{n}.self_attn.v_proj.weight",
-    "blk.{n}.attn_output.weight": "model.layers.{n}.self_attn.o_proj.weight",
-    "blk.{n}.ffn_norm.weight": "model.layers.{n}.post_attention_layernorm.weight",
-    "blk.{n}.ffn_gate.weight": "model.layers.{n}.mlp.gate_proj.weight",
-    "blk.{n}.ffn_up.weight": "model.layers.{n}.mlp.up_proj.weight",
-    "blk.{n}.ffn_down.weight": "model.layers.{n}.mlp.down_proj.weight",
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+    "blk.{n}.attn_norm": "model.layers.{n}.input_layernorm",
+    "blk.{n}.attn_q": "model.layers.{n}.self_attn.q_proj",
+    "blk.{n}.attn_k": "model.layers.{n}.self_attn.k_proj",
+    "blk.{n}.attn_v": "model.layers.{n}.self_attn.v_proj",
+    "blk.{n}.attn_q_norm": "model.layers.{n}.self_attn.q_norm",
+    "blk.{n}.attn_k_norm": "model.layers.{n}.self_attn.k_norm",
+    "blk.{n}.attn_output": "model.layers.{n}.self_attn.o_proj",
+    "blk.{n}.ffn_norm": "model.layers.{n}.post_attention_layernorm",
+    "blk.{n}.ffn_gate": "model.layers.{n}.mlp.gate_proj",
+    "blk.{n}.ffn_up": "model.layers.{n}.mlp.up_proj",
+    "blk.{n}.ffn_down": "model.layers.{n}.mlp.down_proj",
 }
-_PATTERNS = [(re.compile("^" + re.escape(k).replace(r"\{n\}", r"(\d+)") + "$"), v) for k, v in GGUF_TO_HF.items()]
+_PATTERNS = [
+    (re.compile("^" + re.escape(k).replace(r"\{n\}", r"(?P<n>\d+)") + r"\.(?P<suffix>weight|bias)$"), v)
+    for k, v in GGUF_TO_HF.items()
+]
+# convert_hf_to_gguf.py permutes Q/K rows for these architectures only (llama.cpp's rotary pairs adjacent dims);
+# Qwen's GGUFs keep transformers' layout
+PERMUTED_ARCHITECTURES = ("llama",)
 
 
 class GGUFFile:
@@ -56,11 +64,17 @@ class GGUFFile:
         return out
 
     @property
+    def architecture(self) -> str:
+        field = self.reader.fields.get("general.architecture")
+        return str(field.contents()) if field is not None else ""
+
+    @property
     def tensor_names(self) -> set[str]:
         return {t.name for t in self.reader.tensors}
 
     def tensors(self, num_heads: int, num_kv_heads: int) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield (transformers name, float32 tensor [out, in]) with llama.cpp's Q/K row permutation undone."""
+        permuted = self.architecture in PERMUTED_ARCHITECTURES
         for t in self.reader.tensors:
             name = hf_name(t.name)
             try:
@@ -70,9 +84,9 @@ class GGUFFile:
             if not array.flags.writeable:  # F32 tensors come back as views of the read-only file mapping
                 array = np.array(array)
             tensor = torch.from_numpy(array)
-            if name.endswith("q_proj.weight"):
+            if permuted and ".q_proj." in name:
                 tensor = unpermute(tensor, num_heads)
-            elif name.endswith("k_proj.weight"):
+            elif permuted and ".k_proj." in name:
                 tensor = unpermute(tensor, num_kv_heads)
             yield name, tensor
 
@@ -81,7 +95,7 @@ def hf_name(name: str) -> str:
     for pattern, target in _PATTERNS:
         m = pattern.match(name)
         if m:
-            return target.format(n=m.group(1)) if m.groups() else target
+            return f"{target.format(n=m.groupdict().get('n'))}.{m.group('suffix')}"
     return name  # unknown names pass through; the decoder reports them as unexpected
 
 

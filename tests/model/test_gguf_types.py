@@ -2,6 +2,7 @@
 Our dequantized weights must equal gguf's dequantize, and our logits must equal transformers' on those same
 dequantized weights (so the only error left is the quantization's own) and stay near the float original's."""
 
+import copy
 import subprocess
 import sys
 from pathlib import Path
@@ -11,17 +12,17 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
-from model.loaders.gguf import GGUF_TO_HF, GGUFFile, hf_name
-from tests.model.families import hf_logits, load_ours, our_logits, prompts, randomize
+from model.loaders import load_config
+from model.loaders.gguf import GGUFFile, hf_name
+from tests.model.families import build_hf, hf_logits, load_ours, our_logits, prompts, randomize
 
 QK_K = 256  # K-quant super-block: every quantized row length must be a multiple of it
 # ||ours - float original|| / ||float original|| over the logits of this 2-layer random model (measured: F32 7e-7,
 # F16 9e-4, BF16 7e-3, Q8_0 0.024, Q6_K 0.08, Q5_K 0.19, Q4_K 0.33, Q4_1 0.33, Q4_0 0.36), with ~1.5x headroom
 RELATIVE_ERROR = {Q.F32: 2e-6, Q.F16: 1.5e-3, Q.BF16: 1.2e-2, Q.Q8_0: 0.04, Q.Q6_K: 0.12, Q.Q5_K: 0.3,
                   Q.Q4_K: 0.5, Q.Q4_1: 0.5, Q.Q4_0: 0.55}  # fmt: skip
-HF_TO_GGUF = {hf.replace("{n}", "{}"): g.replace("{n}", "{}") for g, hf in GGUF_TO_HF.items()}
 
 
 def _f16(x: np.ndarray) -> np.ndarray:
@@ -83,9 +84,11 @@ def llama_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(model: LlamaForCausalLM, path: Path, qtype: Q) -> Path:
+def write_gguf(model: PreTrainedModel, path: Path, qtype: Q, arch: str = "llama") -> Path:
+    """What convert_hf_to_gguf.py writes, tensor names from gguf's own TensorNameMap (not from our loader)."""
     c = model.config
-    writer = gguf.GGUFWriter(str(path), "llama")
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], c.num_hidden_layers)
+    writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(c.num_hidden_layers)
     writer.add_context_length(c.max_position_embeddings)
     writer.add_embedding_length(c.hidden_size)
@@ -95,14 +98,17 @@ def write_gguf(model: LlamaForCausalLM, path: Path, qtype: Q) -> Path:
     writer.add_layer_norm_rms_eps(c.rms_norm_eps)
     writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
     writer.add_vocab_size(c.vocab_size)
-    for ours, tensor in model.state_dict().items():
-        layer = ours.split(".")[2] if ours.startswith("model.layers.") else None
-        key = ours.replace(f".{layer}.", ".{}.", 1) if layer is not None else ours
-        name = HF_TO_GGUF[key].format(layer)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    for hf, tensor in model.state_dict().items():
+        if hf == "lm_head.weight" and c.tie_word_embeddings:
+            continue
+        name = names.get_name(hf, try_suffixes=(".weight", ".bias"))
         w = tensor.numpy()
-        if name.endswith("attn_q.weight"):
+        if arch == "llama" and name.endswith("attn_q.weight"):
             w = llama_permute(w, c.num_attention_heads)
-        elif name.endswith("attn_k.weight"):
+        elif arch == "llama" and name.endswith("attn_k.weight"):
             w = llama_permute(w, c.num_key_value_heads)
         if w.ndim == 1 or qtype == Q.F32:  # llama.cpp keeps norms in F32
             writer.add_tensor(name, np.ascontiguousarray(w, dtype=np.float32))
@@ -180,3 +186,25 @@ def test_llmserve_inspect_on_the_real_default_model(default_model_path: Path) ->
     # the fused projections: q (9 x 64) + k, v (3 x 64 each) = 960 rows; gate + up = 2 x 1536
     assert "(qkv_proj): Linear(in_features=576, out_features=960, bias=False)" in result.stdout
     assert "(gate_up_proj): Linear(in_features=576, out_features=3072, bias=False)" in result.stdout
+
+
+@pytest.mark.parametrize("qtype", [Q.F32, Q.Q8_0], ids=lambda q: q.name)
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_qwen_gguf_keeps_transformers_layout(family: str, qtype: Q, tmp_path: Path) -> None:
+    """Qwen GGUFs: no Q/K permutation, q/k/v biases (Qwen2) or q/k norms (Qwen3) found by their tensor names."""
+    model = build_hf(family)
+    path = write_gguf(model, tmp_path / f"{family}.gguf", qtype, family)
+    config = load_config(path)
+    assert (config.architecture, config.attention_bias, config.qk_norm) == (family, family == "qwen2", family == "qwen3")
+    reference = copy.deepcopy(model)  # the float model with every matrix through quantize -> gguf's dequantize
+    with torch.no_grad():
+        for p in reference.parameters():
+            if p.dim() == 2 and qtype != Q.F32:
+                p.copy_(torch.from_numpy(gguf.quants.dequantize(quantize(p.numpy(), qtype), qtype)))
+    batch = prompts()
+    for prompt, logits in zip(batch, our_logits(load_ours(path), batch)):
+        assert (logits - hf_logits(reference, prompt)).abs().max().item() <= 1e-4
+    if family == "qwen2" and qtype == Q.F32:  # transformers' own GGUF reader agrees on the file (it lacks Qwen3's head_dim)
+        theirs = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32).eval()
+        for prompt in batch:
+            assert (hf_logits(theirs, prompt) - hf_logits(model, prompt)).abs().max().item() <= 1e-4
