@@ -2,7 +2,7 @@
 Every architecture quirk is a field here (filled from the FAMILIES table), never a branch on the model type elsewhere."""
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +28,16 @@ class Family:
     norm_unit_offset: bool = False  # RMSNorm weights stored as w, applied as (1 + w) (Gemma)
     scale_embeddings: bool = False  # embeddings multiplied by sqrt(hidden_size) (Gemma)
     weight_names: tuple[tuple[str, str], ...] = LLAMA_NORM_NAMES
+    # Multimodal checkpoints served as text models: the key of the language model's config, the checkpoint
+    # prefixes that lead to it, and the prefixes of the tensors we do not serve (vision tower, projector)
+    text_config: str | None = None
+    weight_prefixes: tuple[tuple[str, str], ...] = ()
+    ignored_weights: tuple[str, ...] = ()
 
 
+GEMMA3 = Family(
+    qk_norm=True, sandwich_norms=True, norm_unit_offset=True, scale_embeddings=True, weight_names=SANDWICH_NORM_NAMES
+)
 # config.json model_type -> family. Phi-3 needs no entry of its own beyond its name: its checkpoint's fused
 # qkv_proj / gate_up_proj already have our layout.
 FAMILIES: dict[str, Family] = {
@@ -38,8 +46,14 @@ FAMILIES: dict[str, Family] = {
     "qwen2": Family(qkv_bias=True, o_bias=False),
     "qwen3": Family(qk_norm=True),
     "phi3": Family(),
-    "gemma3_text": Family(
-        qk_norm=True, sandwich_norms=True, norm_unit_offset=True, scale_embeddings=True, weight_names=SANDWICH_NORM_NAMES
+    "gemma3_text": GEMMA3,
+    # Gemma 3 4B/12B/27B: the text decoder of Gemma3ForConditionalGeneration (images are not served)
+    "gemma3": replace(
+        GEMMA3,
+        text_config="text_config",
+        weight_prefixes=(("language_model.model.", "model."), ("model.language_model.", "model."),
+                         ("language_model.lm_head.", "lm_head.")),  # fmt: skip
+        ignored_weights=("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector."),
     ),
 }
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
@@ -84,6 +98,8 @@ class ModelConfig:
     final_logit_softcapping: float | None = None
     hidden_act: str = "silu"
     weight_names: tuple[tuple[str, str], ...] = LLAMA_NORM_NAMES
+    weight_prefixes: tuple[tuple[str, str], ...] = ()
+    ignored_weights: tuple[str, ...] = ()
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     # generation_config.json sampling defaults (temperature, top_p, top_k, repetition_penalty, ...), if any
@@ -122,6 +138,7 @@ class ModelConfig:
             raise UnsupportedModelError(
                 f"unsupported architecture {model_type!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        raw = _complete(folder, raw, family)
         for key in ("attn_logit_softcapping", "use_bidirectional_attention"):
             if raw.get(key):
                 raise UnsupportedModelError(f"{model_type}: {key}={raw[key]!r} is not supported")
@@ -177,6 +194,8 @@ class ModelConfig:
             final_logit_softcapping=raw.get("final_logit_softcapping"),
             hidden_act=raw.get("hidden_activation") or raw.get("hidden_act", "silu"),
             weight_names=family.weight_names,
+            weight_prefixes=family.weight_prefixes,
+            ignored_weights=family.ignored_weights,
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos,
             generation_defaults=generation,
@@ -223,6 +242,23 @@ class ModelConfig:
             bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=(int(eos),) if eos is not None else (),
         )
+
+
+def _complete(folder: Path, raw: dict[str, Any], family: Family) -> dict[str, Any]:
+    """config.json with every default filled in by transformers' own config class: hub configs often omit the
+    fields whose value is the class default (Gemma 3's head_dim, query_pre_attn_scalar, ...). For a multimodal
+    checkpoint, the language model's config, with the top-level LM-head tying."""
+    try:
+        from transformers import AutoConfig
+
+        hf = AutoConfig.from_pretrained(str(folder))
+    except Exception:  # a config transformers cannot parse: read what the file says, defaults below
+        hf = None
+    if family.text_config is None:
+        return hf.to_dict() if hf is not None else raw
+    text = getattr(hf, family.text_config).to_dict() if hf is not None else dict(raw[family.text_config])
+    text["tie_word_embeddings"] = raw.get("tie_word_embeddings", text.get("tie_word_embeddings", True))
+    return text
 
 
 def _rope_parameters(raw: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None]:

@@ -140,9 +140,11 @@ class Decoder(nn.Module):
         for hf_name, tensor in weights:
             if "rotary_emb." in hf_name:
                 continue
-            if hf_name == "lm_head.weight" and self.config.tie_word_embeddings:
-                continue  # some tied checkpoints still carry a copy
+            if self.config.ignored_weights and hf_name.startswith(self.config.ignored_weights):
+                continue  # a multimodal checkpoint's vision tower and projector
             name, shard = self._our_name(hf_name)
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue  # some tied checkpoints still carry a copy
             if name not in params:
                 raise WeightError(f"unexpected tensor {hf_name!r} in the checkpoint")
             target = params[name].data
@@ -160,7 +162,12 @@ class Decoder(nn.Module):
 
     def _our_name(self, hf_name: str) -> tuple[str, int | None]:
         """transformers name -> (our parameter name, shard index within a fused parameter or None)."""
-        name = hf_name.removeprefix("model.")
+        name = hf_name
+        for theirs, ours in self.config.weight_prefixes:  # e.g. language_model.model. -> model.
+            if name.startswith(theirs):
+                name = ours + name.removeprefix(theirs)
+                break
+        name = name.removeprefix("model.")
         for theirs, ours in self.config.weight_names:
             if theirs in name:
                 name = name.replace(theirs, ours)

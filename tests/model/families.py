@@ -9,6 +9,7 @@ from tokenizers import Tokenizer as RawTokenizer
 from tokenizers.models import WordLevel
 from transformers import (
     AutoModelForCausalLM,
+    Gemma3Config,
     Gemma3TextConfig,
     LlamaConfig,
     MistralConfig,
@@ -18,6 +19,7 @@ from transformers import (
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen3Config,
+    SiglipVisionConfig,
 )
 
 from model.batch import Batch
@@ -46,12 +48,23 @@ FAMILIES: dict[str, Callable[[], PretrainedConfig]] = {
     "phi3": lambda: Phi3Config(**{**BASE, "num_hidden_layers": 3}, sliding_window=WINDOW, partial_rotary_factor=0.5,
                                tie_word_embeddings=False),
     # Gemma 3: MQA, local layers with window 16 and theta 10k, global layers with theta 1M and linear scaling
-    "gemma3": lambda: Gemma3TextConfig(**{**BASE, "num_hidden_layers": 4, "num_key_value_heads": 1}, head_dim=32,
-        query_pre_attn_scalar=24, sliding_window=WINDOW, final_logit_softcapping=30.0,
+    "gemma3": lambda: gemma3_text(),
+    # Gemma 3 4B+ layout: the same text decoder inside Gemma3ForConditionalGeneration, next to a vision tower
+    # (no logit soft-capping: real Gemma 3 has none, and transformers' multimodal class would not apply it)
+    "gemma3-vision": lambda: Gemma3Config(
+        text_config=gemma3_text(final_logit_softcapping=None).to_dict(), mm_tokens_per_image=4, image_token_index=VOCAB - 1,
+        boi_token_index=VOCAB - 3, eoi_token_index=VOCAB - 2, vision_config=SiglipVisionConfig(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+            patch_size=14).to_dict()),  # fmt: skip
+}
+
+
+def gemma3_text(final_logit_softcapping: float | None = 30.0) -> Gemma3TextConfig:
+    return Gemma3TextConfig(**{**BASE, "num_hidden_layers": 4, "num_key_value_heads": 1}, head_dim=32,
+        query_pre_attn_scalar=24, sliding_window=WINDOW, final_logit_softcapping=final_logit_softcapping,
         layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                         "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0}}),  # fmt: skip
-}
+                         "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0}})  # fmt: skip
 
 
 def randomize(model: PreTrainedModel, seed: int = 0) -> None:
@@ -71,9 +84,8 @@ def randomize(model: PreTrainedModel, seed: int = 0) -> None:
 
 def build_hf(family: str, seed: int = 0) -> PreTrainedModel:
     config = FAMILIES[family]()
-    config._attn_implementation = "eager"
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager").eval()
     randomize(model, seed)
     return model
 

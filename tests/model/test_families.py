@@ -40,15 +40,16 @@ def family_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPa
 def test_config_carries_the_family_quirks(family_model: tuple[str, PreTrainedModel, Path]) -> None:
     family, model, folder = family_model
     config = load_config(folder)
-    hf = model.config
+    hf = model.config.get_text_config()
     assert (config.num_layers, config.num_heads, config.num_kv_heads) == (
         hf.num_hidden_layers, hf.num_attention_heads, hf.num_key_value_heads
     )
-    assert config.tie_word_embeddings == hf.tie_word_embeddings
+    assert config.tie_word_embeddings == model.config.tie_word_embeddings
     expected_windows = {
         "mistral": (WINDOW,) * 2,
         "phi3": (WINDOW,) * 3,
         "gemma3": (WINDOW, None, WINDOW, None),
+        "gemma3-vision": (WINDOW, None, WINDOW, None),
     }.get(family, (None,) * hf.num_hidden_layers)
     assert config.layer_windows == expected_windows
 
@@ -146,3 +147,22 @@ def test_generation_config_adds_eos_ids_and_sampling_defaults(tmp_path: Path) ->
     config = load_config(folder)
     assert config.eos_token_ids == (2, 7)  # config.json's 2, then generation_config's extra 7
     assert config.generation_defaults == {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05}
+
+
+def test_hub_style_config_gets_transformers_defaults(tmp_path: Path) -> None:
+    """Hub configs omit fields left at the class default; gemma-3-4b-it's config.json is little more than this."""
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "eos_token_id": [1, 106],
+        "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+                        "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                        "sliding_window": 1024},
+        "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 1152, "image_size": 896,
+                          "intermediate_size": 4304, "num_attention_heads": 16, "num_hidden_layers": 27, "patch_size": 14},
+    }))  # fmt: skip
+    c = load_config(tmp_path)
+    assert (c.num_heads, c.num_kv_heads, c.head_dim, c.vocab_size) == (8, 4, 256, 262208)
+    assert c.attention_scale == 256**-0.5 and c.embed_scale == 2560**0.5 and c.tie_word_embeddings
+    assert c.layer_windows == tuple(None if (i + 1) % 6 == 0 else 1024 for i in range(34))  # every 6th layer global
+    assert (c.rope_theta, c.rope_scaling) == (1e6, {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6})
+    assert (c.local_rope_theta, c.local_rope_scaling) == (10000.0, None)
+    assert c.hidden_act == "gelu_pytorch_tanh" and c.rms_norm_eps == 1e-6
