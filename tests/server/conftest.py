@@ -5,18 +5,21 @@ server of their own; tests that need other limits use `server.override(...)` for
 """
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
 from config.settings import Settings
+from model.tokenizer import Tokenizer
 from tests.server.harness import API_KEY, ORIGIN, PING_SECONDS, LiveServer, auth, start_server, stop_server
 
 
 @pytest.fixture(scope="session")
-def server() -> Iterator[LiveServer]:
+def server(default_model_path: Path, default_tokenizer: Tokenizer) -> Iterator[LiveServer]:
     settings = Settings(
+        models_dir=default_model_path.parent,  # the default model, wherever pytest was started from
         api_key=API_KEY,
         allowed_origins=[ORIGIN],
         max_model_len=2048,
@@ -24,7 +27,11 @@ def server() -> Iterator[LiveServer]:
         max_num_seqs=64,
         max_request_bytes=256 * 1024,
     )
-    live, thread = start_server(settings, sse_ping_seconds=PING_SECONDS)
+    from model.engine.engine import Engine  # torch and the weights: only when a server test runs
+
+    # The session's tokenizer (tests/conftest.py) saves a second load; the model is the default one either way.
+    live, thread = start_server(settings, sse_ping_seconds=PING_SECONDS,
+                                engine_factory=lambda s: Engine(s, tokenizer=default_tokenizer))
     yield live
     stop_server(live, thread)
 

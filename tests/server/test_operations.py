@@ -13,6 +13,7 @@ import pytest
 from tests.server.harness import API_KEY, MODEL, ORIGIN, LiveServer, auth, run, wait_until_idle
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me a long story about a dragon."}]}
+ENDLESS = {"max_tokens": 1000, "ignore_eos": True}  # still running when the client hangs up, whatever the model says
 
 
 def parse_stream(raw: bytes) -> list[dict[str, Any]]:
@@ -61,7 +62,7 @@ def _wait_running(server: LiveServer) -> dict[str, float]:
 def test_disconnect_mid_stream_frees_blocks(server: LiveServer) -> None:
     before = _baseline(server)
     with httpx.Client(base_url=server.url, headers=auth(), timeout=60) as client:
-        with client.stream("POST", "/v1/chat/completions", json={**CHAT, "max_tokens": 1000, "stream": True}) as response:
+        with client.stream("POST", "/v1/chat/completions", json={**CHAT, **ENDLESS, "stream": True}) as response:
             for line in response.iter_lines():
                 if '"content":"' in line and '"content":""' not in line:
                     break  # tokens are flowing: now hang up
@@ -78,7 +79,7 @@ def test_disconnect_mid_non_stream_frees_blocks(server: LiveServer) -> None:
 
     async def main() -> None:
         async with httpx.AsyncClient(base_url=server.url, headers=auth(), timeout=120) as client:
-            task = asyncio.create_task(client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 1000}))
+            task = asyncio.create_task(client.post("/v1/chat/completions", json={**CHAT, **ENDLESS}))
             await asyncio.to_thread(_wait_running, server)
             task.cancel()  # closes the connection mid-request
             with pytest.raises(asyncio.CancelledError):

@@ -84,8 +84,8 @@ def test_completion_stream_framing(http: httpx.Client) -> None:
 
 
 def test_pings_during_long_prefill(server: LiveServer, http: httpx.Client) -> None:
-    """A ~1600-token prompt takes several engine steps to prefill; the client must hear pings meanwhile."""
-    long_prompt = "Here is a list of words: " + " ".join(f"word{i}" for i in range(400))
+    """A ~800-token prompt takes two engine steps to prefill; the client must hear pings meanwhile."""
+    long_prompt = "Here is a list of words: " + " ".join(f"word{i}" for i in range(200))
     body = {**CHAT, "messages": [{"role": "user", "content": long_prompt}], "max_tokens": 2}
     _, raw = stream_bytes(http, "/v1/chat/completions", body)
     parts = frames(raw)
