@@ -155,7 +155,12 @@ class Decoder(nn.Module):
                 raise WeightError(f"tensor {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
             target.copy_(tensor)
             filled[name] |= {shard} if shard is not None else set(range(len(self._shard_sizes(name))))
-        missing = [name for name, shards in filled.items() if len(shards) < len(self._shard_sizes(name))]
+        missing = [
+            self._checkpoint_name(name, shard if len(self._shard_sizes(name)) > 1 else None)
+            for name, shards in filled.items()
+            for shard in range(len(self._shard_sizes(name)))
+            if shard not in shards
+        ]
         if missing:
             more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
             raise WeightError(f"missing tensors in the checkpoint: {', '.join(missing[:8])}{more}")
@@ -176,6 +181,16 @@ class Decoder(nn.Module):
             if fragment in name:
                 return name.replace(fragment, fused), index
         return name, None
+
+    def _checkpoint_name(self, name: str, shard: int | None) -> str:
+        """Our parameter name (and shard) -> the transformers name a checkpoint would carry, for messages."""
+        if shard is not None:
+            name = next(name.replace(fused, part) for part, (fused, i) in self.PACKED.items() if fused in name and i == shard)
+        for theirs, ours in self.config.weight_names:
+            if ours in name:
+                name = name.replace(ours, theirs)
+                break
+        return name if name.startswith("lm_head.") else f"model.{name}"
 
     def _shard_sizes(self, name: str) -> list[int]:
         """Rows of each checkpoint tensor fused into parameter `name`, in order ([-1] when it is not fused)."""

@@ -66,8 +66,8 @@ def test_unsupported_rope_type_is_refused_before_loading(folder: Path, tmp_path:
 def test_missing_tensor_is_named(folder: Path, tmp_path: Path) -> None:
     bad = copy_folder(folder, tmp_path / "m")
     edit_weights(bad, drop="model.layers.1.self_attn.v_proj.weight")
-    # v_proj is one third of our fused qkv_proj: the message names the parameter left incomplete
-    with pytest.raises(WeightError, match=r"missing tensors in the checkpoint: layers\.1\.self_attn\.qkv_proj\.weight$"):
+    # v_proj is one third of our fused qkv_proj: the message still names the checkpoint's tensor
+    with pytest.raises(WeightError, match=r"missing tensors in the checkpoint: model\.layers\.1\.self_attn\.v_proj\.weight$"):
         load_ours(bad)
 
 
@@ -144,7 +144,7 @@ def test_corrupt_gguf_names_the_file(tmp_path: Path) -> None:
 
 def test_gguf_missing_tensor_is_named(tmp_path: Path) -> None:
     path = tiny_gguf(tmp_path / "tiny.gguf")  # one layer declared, none of its tensors written
-    with pytest.raises(WeightError, match=r"missing tensors in the checkpoint: layers\.0\.attn_norm\.weight"):
+    with pytest.raises(WeightError, match=r"missing tensors in the checkpoint: model\.layers\.0\.input_layernorm\.weight"):
         load_ours(path, 16)
 
 
