@@ -13,6 +13,7 @@ CPUs as the server: on a small machine it takes a share of them, the same share 
 import argparse
 import asyncio
 import json
+import math
 import os
 import random
 import shlex
@@ -73,6 +74,7 @@ class LevelResult:
     seconds: float
     streams: list[StreamResult]
     server_rss_mib: float = 0.0  # peak during the level, when --spawn
+    preemptions: float | None = None  # from the server's vLLM-style /metrics; None when it has none
 
     @property
     def ok(self) -> list[StreamResult]:
@@ -92,7 +94,7 @@ def percentile(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered) + 0.5) - 1))]
+    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
 
 
 class Client:
@@ -160,6 +162,15 @@ class Client:
             result.output_tokens = chunks
         return result
 
+    async def preemptions(self) -> float | None:
+        """vllm:num_preemptions_total from /metrics (vLLM and llmserve export it); None when absent."""
+        try:
+            response = await self.http.get(self.url.removesuffix("/v1") + "/metrics")
+        except httpx.HTTPError:
+            return None
+        values = [float(line.split()[-1]) for line in response.text.splitlines() if line.startswith("vllm:num_preemptions_total")]
+        return sum(values) if response.status_code == 200 and values else None
+
     async def close(self) -> None:
         await self.http.aclose()
 
@@ -211,6 +222,7 @@ async def run_level(client: Client, concurrency: int, num_requests: int, words: 
             index = queue.pop(0)
             results.append(await client.stream(chat_messages(index, words)))
 
+    preempted_before = await client.preemptions()
     rss, done = RssSampler(server_pid), asyncio.Event()
     sampler = asyncio.create_task(rss.run(done))
     started = time.perf_counter()
@@ -218,7 +230,9 @@ async def run_level(client: Client, concurrency: int, num_requests: int, words: 
     seconds = time.perf_counter() - started
     done.set()
     await sampler
-    return LevelResult(concurrency, seconds, results, rss.peak_kib / 1024)
+    preempted_after = await client.preemptions()
+    preempted = None if preempted_before is None or preempted_after is None else preempted_after - preempted_before
+    return LevelResult(concurrency, seconds, results, rss.peak_kib / 1024, preempted)
 
 
 @dataclass(slots=True)
@@ -258,8 +272,11 @@ async def run_long_prompts(client: Client, short_words: int, long_words: int, nu
 def level_table(levels: list[LevelResult], with_rss: bool) -> str:
     head = "| streams | requests | prompt tok | output tok/s | requests/s | TTFT p50 s | TTFT p99 s | ITL p50 ms | ITL p99 ms | max gap s | errors |"
     rule = "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+    with_preemptions = any(lv.preemptions is not None for lv in levels)
     if with_rss:
         head, rule = head + " server RSS MiB |", rule + "---:|"
+    if with_preemptions:
+        head, rule = head + " preemptions |", rule + "---:|"
     lines = [head, rule]
     for lv in levels:
         ok = lv.ok
@@ -271,7 +288,10 @@ def level_table(levels: list[LevelResult], with_rss: bool) -> str:
             f"{percentile(ttfts, 50):.2f} | {percentile(ttfts, 99):.2f} | {1000 * percentile(gaps, 50):.0f} | "
             f"{1000 * percentile(gaps, 99):.0f} | {max(gaps, default=float('nan')):.2f} | {len(lv.streams) - len(ok)} |"
         )
-        lines.append(row + (f" {lv.server_rss_mib:.0f} |" if with_rss else ""))
+        row += f" {lv.server_rss_mib:.0f} |" if with_rss else ""
+        if with_preemptions:
+            row += " - |" if lv.preemptions is None else f" {lv.preemptions:.0f} |"
+        lines.append(row)
     return "\n".join(lines)
 
 
