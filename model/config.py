@@ -58,7 +58,7 @@ FAMILIES: dict[str, Family] = {
 }
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
 GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")  # general.architecture values; same names as FAMILIES
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 
 
 class UnsupportedModelError(ValueError):
@@ -146,6 +146,9 @@ class ModelConfig:
         head_dim = raw.get("head_dim") or raw["hidden_size"] // num_heads
         num_layers = raw["num_hidden_layers"]
         global_rope, local_rope = _rope_parameters(raw)
+        if global_rope.get("rope_type") == "longrope":  # Phi-3.5 / Phi-4-mini: the attention factor needs these
+            global_rope.setdefault("original_max_position_embeddings", raw.get("original_max_position_embeddings"))
+            global_rope["max_position_embeddings"] = raw["max_position_embeddings"]
         theta, scaling = _rope(global_rope, model_type)
         local_theta, local_scaling = _rope(local_rope, model_type) if local_rope is not None else (None, None)
         partial = global_rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))

@@ -30,7 +30,28 @@ def inverse_frequencies(head_dim: int, theta: float, rope_scaling: dict[str, Any
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
         return torch.where(is_medium, smoothed, scaled)
-    raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: default, linear, llama3")
+    raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: default, linear, llama3, longrope")
+
+
+def longrope_tables(
+    rotary_dim: int, theta: float, scaling: dict[str, Any], positions: torch.Tensor
+) -> tuple[torch.Tensor, float]:
+    """LongRoPE (Phi-3.5, Phi-4-mini): (angles [P, R/2], cos/sin multiplier). Positions below the pretraining
+    length use short_factor, the rest long_factor: what transformers computes for each new token when decoding
+    with its cache (it picks the table by the sequence length so far). A single prefill longer than the
+    pretraining length differs: transformers then uses long_factor for all of its positions."""
+    original = scaling["original_max_position_embeddings"]
+    factor = scaling.get("factor") or scaling["max_position_embeddings"] / original
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1.0 else 1.0
+    exponent = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device=positions.device).float() / rotary_dim
+    short, long = (
+        1.0 / (torch.tensor(scaling[key], dtype=torch.float32, device=positions.device) * theta**exponent)
+        for key in ("short_factor", "long_factor")
+    )
+    angles = torch.where(positions[:, None] < original, torch.outer(positions, short), torch.outer(positions, long))
+    return angles, attention_factor
 
 
 class RotaryEmbedding(nn.Module):
@@ -51,8 +72,13 @@ class RotaryEmbedding(nn.Module):
         self.cos_sin = torch.empty(0)
 
     def build_cache(self, device: torch.device | str = "cpu") -> None:
-        inv_freq = inverse_frequencies(self.rotary_dim, self.theta, self.rope_scaling).to(device)
         t = torch.arange(self.max_positions, dtype=torch.float32, device=device)
+        if (self.rope_scaling or {}).get("rope_type") == "longrope":
+            assert self.rope_scaling is not None
+            freqs, scale = longrope_tables(self.rotary_dim, self.theta, self.rope_scaling, t)  # [P, R/2]
+            self.cos_sin = torch.cat([freqs.cos() * scale, freqs.sin() * scale], dim=-1)  # [P, R]
+            return
+        inv_freq = inverse_frequencies(self.rotary_dim, self.theta, self.rope_scaling).to(device)
         freqs = torch.outer(t, inv_freq)  # [P, R/2]
         self.cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)  # [P, R]
 

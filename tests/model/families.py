@@ -59,6 +59,16 @@ FAMILIES: dict[str, Callable[[], PretrainedConfig]] = {
 }
 
 
+# LongRoPE (Phi-3.5 / Phi-4-mini layout: partial rotary): pretraining length 64, so decoding from a 61-token prompt
+# crosses from short_factor to long_factor. Kept apart from FAMILIES: a prefill longer than 64 tokens is where
+# transformers' choice of table (by the length of the whole forward) and ours (by position) part.
+LONGROPE: dict[str, Callable[[], PretrainedConfig]] = {
+    "phi3-longrope": lambda: Phi3Config(**{**BASE, "num_hidden_layers": 2}, partial_rotary_factor=0.5,
+        original_max_position_embeddings=64, rope_scaling={"rope_type": "longrope",
+        "short_factor": [1.0, 1.2, 1.5, 2.0], "long_factor": [2.0, 4.0, 8.0, 16.0]}),  # fmt: skip
+}
+
+
 def gemma3_text(final_logit_softcapping: float | None = 30.0) -> Gemma3TextConfig:
     return Gemma3TextConfig(**{**BASE, "num_hidden_layers": 4, "num_key_value_heads": 1}, head_dim=32,
         query_pre_attn_scalar=24, sliding_window=WINDOW, final_logit_softcapping=final_logit_softcapping,
@@ -83,7 +93,7 @@ def randomize(model: PreTrainedModel, seed: int = 0) -> None:
 
 
 def build_hf(family: str, seed: int = 0) -> PreTrainedModel:
-    config = FAMILIES[family]()
+    config = {**FAMILIES, **LONGROPE}[family]()
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager").eval()
     randomize(model, seed)

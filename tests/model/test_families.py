@@ -14,7 +14,7 @@ from model.engine.engine import Engine
 from model.engine.model_runner import build_decoder
 from model.engine.sequence import SamplingParams
 from model.loaders import load_config
-from tests.model.families import (
+from tests.model.families import (  # noqa: I001
     FAMILIES,
     WINDOW,
     build_hf,
@@ -166,3 +166,28 @@ def test_hub_style_config_gets_transformers_defaults(tmp_path: Path) -> None:
     assert (c.rope_theta, c.rope_scaling) == (1e6, {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6})
     assert (c.local_rope_theta, c.local_rope_scaling) == (10000.0, None)
     assert c.hidden_act == "gelu_pytorch_tanh" and c.rms_norm_eps == 1e-6
+
+
+def test_longrope_matches_transformers_cached_decoding_across_the_pretraining_length(tmp_path: Path) -> None:
+    model = build_hf("phi3-longrope")
+    folder = save_hf(model, tmp_path / "m")
+    assert load_config(folder).rope_scaling["rope_type"] == "longrope"  # type: ignore[index]
+    batch = prompts(seed=3, lengths=(7, 40, 61))  # all within the 64 pretraining positions: short_factor
+    for prompt, logits in zip(batch, our_logits(load_ours(folder), batch)):
+        assert (logits - hf_logits(model, prompt)).abs().max().item() <= TOL
+    # decode positions 61..76 one by one through our paged cache and through transformers' own cache
+    engine = Engine(Settings(model=str(folder), kv_cache_memory=2**20, block_size=16), tokenizer=make_tokenizer())
+    rows: list[torch.Tensor] = []
+    compute_logits = engine.runner.decoder.compute_logits
+    engine.runner.decoder.compute_logits = lambda h: rows.append(compute_logits(h)) or rows[-1]  # type: ignore[method-assign]
+    engine.add_request("r", batch[2], SamplingParams(temperature=0, max_tokens=DECODE_STEPS, ignore_eos=True))
+    engine._drain_inbox(False)
+    tokens: list[int] = []
+    while engine.scheduler.has_work():
+        tokens += [t for out in engine.step() for t in out.new_token_ids]
+    with torch.no_grad():
+        out = model(torch.tensor([batch[2]]), use_cache=True)
+        for step, token in enumerate(tokens):
+            assert (rows[step][0] - out.logits[0, -1]).abs().max().item() <= TOL
+            assert token == int(out.logits[0, -1].argmax())
+            out = model(torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)

@@ -59,7 +59,7 @@ def test_unsupported_architecture_names_the_supported_ones(folder: Path, tmp_pat
 def test_unsupported_rope_type_is_refused_before_loading(folder: Path, tmp_path: Path) -> None:
     bad = copy_folder(folder, tmp_path / "m")
     edit_config(bad, rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0})
-    with pytest.raises(UnsupportedModelError, match="rope type 'yarn' is not supported; supported: default, linear, llama3"):
+    with pytest.raises(UnsupportedModelError, match="rope type 'yarn' is not supported; supported: default, linear, llama3, longrope"):
         load_config(bad)
 
 
