@@ -1,5 +1,6 @@
 """GGUF: metadata into a plain dict, tensors dequantized by the `gguf` package and renamed to transformers' names."""
 
+import mmap
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,6 +36,7 @@ _PATTERNS = [
 # convert_hf_to_gguf.py permutes Q/K rows for these architectures only (llama.cpp's rotary pairs adjacent dims);
 # Qwen's GGUFs keep transformers' layout
 PERMUTED_ARCHITECTURES = ("llama",)
+CHUNK_BYTES = 8 * 2**20
 
 
 class GGUFFile:
@@ -78,17 +80,38 @@ class GGUFFile:
         for t in self.reader.tensors:
             name = hf_name(t.name)
             try:
-                array = gguf.quants.dequantize(t.data, t.tensor_type)  # float32 numpy [out, in] (reversed t.shape)
+                array = self._dequantize(t)
             except NotImplementedError as exc:
                 raise CheckpointFileError(f"{self.path}: tensor {t.name!r}: {exc}") from exc
-            if not array.flags.writeable:  # F32 tensors come back as views of the read-only file mapping
-                array = np.array(array)
+            self._release(t)
             tensor = torch.from_numpy(array)
             if permuted and ".q_proj." in name:
                 tensor = unpermute(tensor, num_heads)
             elif permuted and ".k_proj." in name:
                 tensor = unpermute(tensor, num_kv_heads)
             yield name, tensor
+
+
+    def _dequantize(self, t: gguf.ReaderTensor) -> np.ndarray:
+        """float32 [out, in] (t.shape reversed), dequantized CHUNK_BYTES of rows at a time: gguf's numpy
+        dequantize makes several float32 temporaries of its input, which for a whole embedding is hundreds of MB."""
+        data = t.data  # [rows, bytes per row] for block types, [rows, in] for float types
+        if data.ndim < 2 or t.tensor_type == gguf.GGMLQuantizationType.F32:
+            return np.array(gguf.quants.dequantize(data, t.tensor_type), dtype=np.float32)  # a copy off the mapping
+        step = max(1, CHUNK_BYTES // (data[0].nbytes or 1))
+        first = gguf.quants.dequantize(data[:step], t.tensor_type)
+        out = np.empty((data.shape[0], *first.shape[1:]), dtype=np.float32)
+        out[:step] = first
+        for start in range(step, data.shape[0], step):
+            out[start : start + step] = gguf.quants.dequantize(data[start : start + step], t.tensor_type)
+        return out
+
+    def _release(self, t: gguf.ReaderTensor) -> None:
+        # drop this tensor's file pages from our resident set (the page cache keeps them), as the safetensors reader does
+        mapping = getattr(self.reader.data, "_mmap", None)
+        if mapping is not None and t.n_bytes:
+            start = t.data_offset // mmap.PAGESIZE * mmap.PAGESIZE
+            mapping.madvise(mmap.MADV_DONTNEED, start, t.data_offset + t.n_bytes - start)
 
 
 def hf_name(name: str) -> str:
