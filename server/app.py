@@ -20,7 +20,7 @@ from server.errors import install_error_handlers
 from server.metrics import ServerMetrics
 from server.middleware import FrontDoor
 from server.routes import chat, completions, models, ops, tokenize
-from server.routes.common import fingerprint
+from server.routes.common import TokenizerWorker, fingerprint
 from server.routes.ops import server_version
 
 if TYPE_CHECKING:
@@ -83,9 +83,11 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         loader = asyncio.create_task(_load(app, engine_factory))
         app.state.loader = loader
+        app.state.tokenizer_worker = TokenizerWorker()
         try:
             yield
         finally:
+            app.state.tokenizer_worker.shutdown()
             if not loader.done():
                 await asyncio.wait({loader}, timeout=60)  # a half-built engine must not outlive the app
             if app.state.async_engine is not None:

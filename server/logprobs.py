@@ -35,7 +35,7 @@ class TokenText:
 
     def _bytes(self, token_id: int) -> bytes:
         piece = self.tokenizer.hf.convert_ids_to_tokens(token_id)
-        if piece is None:
+        if not isinstance(piece, str):  # an id outside the vocabulary
             return b""
         if token_id in self.tokenizer.hf.all_special_ids:
             return piece.encode()

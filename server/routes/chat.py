@@ -28,14 +28,17 @@ router = APIRouter(responses=ERROR_RESPONSES)
 _STREAM_DOC: dict[int | str, dict[str, Any]] = {200: {"content": {"text/event-stream": {}}, "description": "JSON, or SSE when stream"}}
 
 
-def render_prompt(ctx: Serving, body: ChatCompletionRequest) -> list[int]:
+async def render_prompt(ctx: Serving, body: ChatCompletionRequest) -> list[int]:
     kwargs = dict(body.chat_template_kwargs or {})
     for reserved in ("messages", "add_generation_prompt", "continue_final_message", "tokenize"):
         if reserved in kwargs:
             raise bad_request(f"chat_template_kwargs may not set {reserved!r}", param="chat_template_kwargs")
     try:
-        prompt = ctx.tokenizer.apply_chat_template(
-            body.template_messages(),
+        messages = body.template_messages()
+        prompt = await ctx.tokenize(
+            sum(len(m["content"]) for m in messages),
+            ctx.tokenizer.apply_chat_template,
+            messages,
             add_generation_prompt=body.add_generation_prompt,
             continue_final_message=body.continue_final_message,
             **kwargs,
@@ -59,7 +62,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     body.check_supported()
     body.check_token_ids(ctx.tokenizer.vocab_size)
     stop = body.stop_strings()
-    prompt = render_prompt(ctx, body)
+    prompt = await render_prompt(ctx, body)
     params = body.to_sampling_params(len(prompt), ctx.max_model_len)
     request_id = new_request_id("chatcmpl")
     n = body.n or 1

@@ -1,10 +1,14 @@
 """What every generation route needs before and after the engine: serving state, model check, admission, submit."""
 
+import asyncio
+import functools
 import hashlib
 import time
 import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import Request
 
@@ -18,6 +22,9 @@ from server.responses import ErrorResponse
 if TYPE_CHECKING:
     from config.settings import Settings
     from model.tokenizer import Tokenizer
+
+T = TypeVar("T")
+INLINE_TOKENIZE_CHARS = 16384  # ~10 ms of tokenizing: cheaper inline than a thread hop, too short to stall streams
 
 # Every error status a route may answer; declared in the OpenAPI schema so clients and schemathesis know them.
 ERROR_RESPONSES: dict[int | str, dict[str, object]] = {
@@ -44,6 +51,32 @@ class Serving:
     metrics: ServerMetrics
     max_model_len: int
     fingerprint: str
+    tokenizer_worker: "TokenizerWorker"
+
+    async def tokenize(self, text_size: int, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run tokenizer work inline when it is small (exact admission accounting, no thread hop), else off the loop."""
+        if text_size < INLINE_TOKENIZE_CHARS:
+            return fn(*args, **kwargs)
+        return await self.tokenizer_worker.run(fn, *args, **kwargs)
+
+
+class TokenizerWorker:
+    """Tokenizer work off the event loop (a 2 MiB prompt takes seconds), so streams keep flowing. One thread: calls
+    stay serialized, as HF fast tokenizers may change their own settings inside encode."""
+
+    def __init__(self) -> None:
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmserve-tokenizer")
+        self.queued = 0  # calls waiting or running: these requests wait too, so admission control counts them
+
+    async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        self.queued += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.pool, functools.partial(fn, *args, **kwargs))
+        finally:
+            self.queued -= 1
+
+    def shutdown(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
 
 
 def serving(request: Request) -> Serving:
@@ -54,7 +87,7 @@ def serving(request: Request) -> Serving:
                        headers={"Retry-After": "5"})
     engine: AsyncEngine = state.async_engine
     return Serving(state.settings, engine, engine.engine.tokenizer, state.token_text, state.metrics,
-                   engine.engine.max_model_len, state.fingerprint)
+                   engine.engine.max_model_len, state.fingerprint, state.tokenizer_worker)
 
 
 def fingerprint(settings: "Settings", describe: str) -> str:
@@ -71,10 +104,10 @@ def check_model(ctx: Serving, model: str | None) -> None:
 async def admit(request: Request) -> None:
     """Admission control, a dependency of the generation routes: runs before the handler tokenizes anything.
 
-    "Waiting" counts choices submitted that have not produced a token (queued or in prefill), kept on the event
-    loop, so a burst of arrivals is counted exactly rather than after the engine thread next drains its inbox."""
+    "Waiting" counts requests being tokenized and choices submitted that have not produced a token (queued or in
+    prefill), kept on the event loop, so a burst is counted exactly, not after the engine thread drains its inbox."""
     ctx = serving(request)
-    pending, tokens = ctx.engine.num_pending, ctx.engine.num_pending_tokens
+    pending, tokens = ctx.engine.num_pending + ctx.tokenizer_worker.queued, ctx.engine.num_pending_tokens
     limits = ctx.settings
     if pending >= limits.max_waiting_requests or tokens >= limits.max_waiting_tokens:
         ctx.metrics.reject(429)

@@ -19,7 +19,7 @@ router = APIRouter(responses=ERROR_RESPONSES)
 _STREAM_DOC: dict[int | str, dict[str, Any]] = {200: {"content": {"text/event-stream": {}}, "description": "JSON, or SSE when stream"}}
 
 
-def tokenize_prompts(ctx: Serving, prompt: str | list[str] | list[int] | list[list[int]]) -> tuple[list[list[int]], list[str]]:
+async def tokenize_prompts(ctx: Serving, prompt: str | list[str] | list[int] | list[list[int]]) -> tuple[list[list[int]], list[str]]:
     """Token ids and text of each prompt (the text is what `echo` repeats)."""
     items: list[Any] = [prompt] if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) else list(prompt)
     if not items:
@@ -30,14 +30,14 @@ def tokenize_prompts(ctx: Serving, prompt: str | list[str] | list[int] | list[li
     for i, item in enumerate(items):
         name = "prompt" if len(items) == 1 else f"prompt[{i}]"
         if isinstance(item, str):
-            tokens = ctx.tokenizer.encode(item)
+            tokens = await ctx.tokenize(len(item), ctx.tokenizer.encode, item)
             text = item
         else:
             tokens = list(item)
             bad = [t for t in tokens if not 0 <= t < vocab]
             if bad:
                 raise bad_request(f"{name}: {bad[0]} is not a token id (vocabulary size {vocab})", param=name)
-            text = ctx.tokenizer.decode(tokens)
+            text = await ctx.tokenize(len(tokens) * 4, ctx.tokenizer.decode, tokens)
         if not tokens:
             raise bad_request(f"{name} must not be empty", param=name)
         ids.append(tokens)
@@ -52,7 +52,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     body.check_supported()
     body.check_token_ids(ctx.tokenizer.vocab_size)
     stop = body.stop_strings()
-    prompts, prompt_texts = tokenize_prompts(ctx, body.prompt)
+    prompts, prompt_texts = await tokenize_prompts(ctx, body.prompt)
     params = body.to_sampling_params(max(len(p) for p in prompts), ctx.max_model_len)
     n = body.n or 1
     echo = [prompt_texts[i // n] if body.echo else "" for i in range(len(prompts) * n)]

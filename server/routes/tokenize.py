@@ -18,12 +18,13 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
     check_model(ctx, body.model)
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("give exactly one of prompt and messages", param="prompt")
-    if body.prompt is not None:
-        tokens = ctx.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+    if body.messages is None:
+        prompt = body.prompt or ""
+        tokens = await ctx.tokenize(len(prompt), ctx.tokenizer.encode, prompt, add_special_tokens=body.add_special_tokens)
     else:
         chat = ChatCompletionRequest(model=ctx.settings.model_name, messages=body.messages,
                                      add_generation_prompt=body.add_generation_prompt)
-        tokens = render_prompt(ctx, chat)
+        tokens = await render_prompt(ctx, chat)
     return TokenizeResponse(count=len(tokens), max_model_len=ctx.max_model_len, tokens=tokens)
 
 
@@ -35,4 +36,4 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeRes
     bad = [t for t in body.tokens if not 0 <= t < vocab]
     if bad:
         raise bad_request(f"tokens: {bad[0]} is not a token id (vocabulary size {vocab})", param="tokens")
-    return DetokenizeResponse(prompt=ctx.tokenizer.decode(body.tokens))
+    return DetokenizeResponse(prompt=await ctx.tokenize(len(body.tokens) * 4, ctx.tokenizer.decode, body.tokens))

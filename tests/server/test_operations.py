@@ -51,12 +51,12 @@ def _baseline(server: LiveServer) -> dict[str, float]:
 
 def _wait_running(server: LiveServer) -> dict[str, float]:
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
+    while True:
         m = server.metrics()
         if m["vllm:num_requests_running"] >= 1 and m["llmserve:kv_blocks_used"] > 0:
             return m
+        assert time.monotonic() < deadline, f"the request never started running: {m}"
         time.sleep(0.05)
-    raise AssertionError("the request never started running")
 
 
 def test_disconnect_mid_stream_frees_blocks(server: LiveServer) -> None:
@@ -65,8 +65,8 @@ def test_disconnect_mid_stream_frees_blocks(server: LiveServer) -> None:
         with client.stream("POST", "/v1/chat/completions", json={**CHAT, **ENDLESS, "stream": True}) as response:
             for line in response.iter_lines():
                 if '"content":"' in line and '"content":""' not in line:
-                    break  # tokens are flowing: now hang up
-            _wait_running(server)
+                    _wait_running(server)
+                    break  # tokens are flowing: hang up (leaving iter_lines early closes the connection)
     after = wait_until_idle(server)
     assert after["vllm:num_requests_running"] == 0 and after["llmserve:kv_blocks_used"] == 0
     assert after["llmserve:client_disconnects_total"] == before["llmserve:client_disconnects_total"] + 1
