@@ -197,7 +197,8 @@ def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """[B] ids: for each row the first id whose cumulative (unnormalized) probability exceeds u * total.
 
     Two levels, blocks of 128 ids and then ids inside the chosen block, so there is no [B, V] cumsum (float64 over
-    49152 ids costs ~5 ms); sums are float64, so a tiny probability keeps its width and a zero never gets picked."""
+    49152 ids costs ~5 ms). Cumulative sums are float64 (a tiny probability keeps its width) and searches take the
+    first cdf value strictly above the target, so an id of probability 0 is never picked."""
     rows, vocab = probs.shape
     n_blocks = -(-vocab // _BLOCK)
     if n_blocks * _BLOCK != vocab:
@@ -219,7 +220,8 @@ def truncation_threshold(probs: torch.Tensor, batch: SamplingBatch) -> torch.Ten
     """[B, 1] smallest probability each row keeps under top_k then top_p (on the top-k-renormalized distribution).
 
     top_k alone needs the k-th value; top_p needs the sorted head up to the nucleus edge. Both come from topk() on
-    the head only, widened 8x for rows whose nucleus does not fit yet (a full sort costs ~35 ms at [16, 49152]).
+    the head only, widened for rows whose nucleus does not fit yet (a full sort costs ~35 ms at [16, 49152]; only a
+    flat row, e.g. top_p 0.9 at a high temperature, ends up there). Ties at the edge are all kept.
     Row results never depend on the head width K (cumsums are sequential), so batch neighbours cannot change them."""
     vocab = probs.shape[-1]
     threshold = torch.zeros(probs.shape[0], 1, dtype=probs.dtype, device=probs.device)  # 0 = keep everything

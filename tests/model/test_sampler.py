@@ -151,7 +151,9 @@ def test_penalties_and_logit_bias_follow_their_formulas() -> None:
         SamplingParams(temperature=0, repetition_penalty=0.7, logit_bias={7: 3.0}),
         SamplingParams(temperature=1.0),  # untouched
     ]
+    original = logits.clone()
     got = apply_penalties(logits, build(params, vocab, prompts, outputs))
+    assert torch.equal(logits, original)  # the caller's logits are not edited in place
     want = logits.double().clone()
     for r, p in enumerate(params):
         for token, bias in (p.logit_bias or {}).items():
