@@ -4,6 +4,7 @@ metrics. KV blocks and running requests are read back through /metrics, as an op
 import asyncio
 import json
 import logging
+import threading
 import time
 from typing import Any
 
@@ -206,3 +207,24 @@ def test_metrics_names_and_utility_routes(server: LiveServer, http: httpx.Client
     chat_tokens = http.post("/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]}).json()
     assert chat_tokens["count"] > 3  # the template's role markers are counted too
     assert API_KEY not in text
+
+
+def test_big_prompts_are_tokenized_off_the_event_loop(server: LiveServer, http: httpx.Client,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 2 MiB prompt takes seconds to tokenize: on the event loop it would stall every stream for that long."""
+    tokenizer = server.app.state.engine.tokenizer
+    original = tokenizer.apply_chat_template
+    threads: list[str] = []
+
+    def spy(*args: Any, **kwargs: Any) -> list[int]:
+        threads.append(threading.current_thread().name)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(tokenizer, "apply_chat_template", spy)
+    small = http.post("/v1/chat/completions", json={**CHAT, "max_tokens": 1})
+    big = http.post("/v1/chat/completions", json={**CHAT, "max_tokens": 1,
+                                                  "messages": [{"role": "user", "content": "word " * 8000}]})
+    assert small.status_code == 200
+    assert big.status_code == 400 and big.json()["error"]["code"] == "context_length_exceeded"  # 8000 words > 2048
+    assert not threads[0].startswith("llmserve-tokenizer")  # small: inline, exact admission accounting
+    assert threads[1].startswith("llmserve-tokenizer")

@@ -81,6 +81,12 @@ def test_completion_stream_framing(http: httpx.Client) -> None:
     assert all(c["object"] == "text_completion" and c["id"].startswith("cmpl-") for c in chunks)
     assert chunks[0]["choices"][0]["text"] == "The capital of France is"  # echo comes first
     assert sum(1 for c in chunks if c["choices"][0]["finish_reason"]) == 1
+    assert all("usage" not in c for c in chunks)
+
+    _, raw = stream_bytes(http, "/v1/completions", {**body, "echo": False, "stream_options": {"include_usage": True}})
+    chunks = [json.loads(e) for e in data_events(raw)[:-1]]
+    assert all(c["usage"] is None for c in chunks[:-1])
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 4
 
 
 def test_pings_during_long_prefill(server: LiveServer, http: httpx.Client) -> None:
