@@ -136,8 +136,10 @@ def submit(
         return ctx.engine.submit(request_id, prompts, params, n=n, stop=stop,
                                  include_stop_str_in_output=include_stop_str_in_output,
                                  skip_special_tokens=skip_special_tokens)
-    except ValueError as exc:  # the engine says it can never fit (e.g. over the KV capacity)
-        raise APIError(400, str(exc), code="context_length_exceeded") from exc
+    except ValueError as exc:  # the engine's own check: the request can never run (e.g. more than the KV cache holds)
+        message = str(exc)
+        too_long = "context length" in message or "KV cache" in message
+        raise APIError(400, message, code="context_length_exceeded" if too_long else None) from exc
 
 
 def record_usage(request: Request, prompt_tokens: int, completion_tokens: int, finish_reasons: list[str | None]) -> None:
