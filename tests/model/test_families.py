@@ -190,4 +190,4 @@ def test_longrope_matches_transformers_cached_decoding_across_the_pretraining_le
         for step, token in enumerate(tokens):
             assert (rows[step][0] - out.logits[0, -1]).abs().max().item() <= TOL
             assert token == int(out.logits[0, -1].argmax())
-            out = model(torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
+            out = model(torch.tensor([[token]]), cache=out.past_key_values, use_cache=True)
