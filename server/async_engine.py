@@ -105,6 +105,10 @@ class RequestStream:
                 choice.cached_tokens = out.num_cached_tokens
                 if metrics:
                     metrics.ttft.observe(now - self.arrival)
+                    # Only the engine knows when it first scheduled the request; observed once StepOutput says so.
+                    queue_time = getattr(out, "queue_time", None)
+                    if queue_time is not None:
+                        metrics.queue_time.observe(queue_time)
             elif metrics and choice.last_token_time is not None:
                 per_token = (now - choice.last_token_time) / len(out.new_token_ids)
                 for _ in out.new_token_ids:

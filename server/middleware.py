@@ -29,7 +29,8 @@ class FrontDoor:
             return
         started = time.monotonic()
         headers = Headers(scope=scope)
-        request_id = headers.get("x-request-id") or uuid.uuid4().hex
+        # Honour the caller's id (tracing across services), bounded: it goes into every log line.
+        request_id = "".join(ch for ch in headers.get("x-request-id", "")[:128] if ch.isprintable()) or uuid.uuid4().hex
         request_state: dict[str, Any] = scope.setdefault("state", {})
         request_state["request_id"] = request_id
         status = 500  # what the log says if the app dies before starting a response
