@@ -2,7 +2,7 @@
 dimension T (no padding); decode rows (one new token) and prefill rows (a chunk of a prompt) are grouped
 so the attention backend can treat each group its fastest way."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,6 +22,11 @@ class Batch:
     # Host copies, so the torch attention path never syncs with the device.
     query_lens_cpu: list[int]
     context_lens_cpu: list[int]
+    # Decode rows read their context as whole blocks; shared by every layer, so built once per step.
+    decode_block_ids: torch.Tensor | None = None  # [num_decode * decode_blocks] int64, block tables flattened
+    decode_blocks: int = 0  # blocks per decode row (the longest row's), the rest padded with block 0
+    decode_mask: torch.Tensor | None = None  # [num_decode, 1, 1, decode_blocks * block_size] bool, True = attend
+    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)  # the same, per sliding window
 
     @property
     def num_seqs(self) -> int:

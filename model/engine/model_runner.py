@@ -34,12 +34,8 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def build_decoder(path: Path, config: ModelConfig, max_positions: int, dtype: torch.dtype, device: torch.device) -> Decoder:
-    """Allocate the decoder without random init (meta device), then stream the checkpoint into it."""
-    with torch.device("meta"):
-        decoder = Decoder(config, max_positions)
-    decoder = decoder.to_empty(device=device).to(dtype)
-    decoder.tie_weights()
-    decoder.layers[0].self_attn.rotary.build_cache(device)  # one table shared by all layers
+    """Allocate the decoder without random init, then stream the checkpoint into it tensor by tensor."""
+    decoder = Decoder.allocate(config, max_positions, dtype, device)
     decoder.load_weights(read_weights(path, config))
     return decoder.eval()
 
@@ -116,7 +112,7 @@ class ModelRunner:
         cu = [0]
         for n in query_lens:
             cu.append(cu[-1] + n)
-        return Batch(
+        batch = Batch(
             input_ids=tensor(input_ids, torch.int64),
             positions=tensor(positions, torch.int64),
             slot_mapping=tensor(slots, torch.int64),
@@ -130,6 +126,13 @@ class ModelRunner:
             query_lens_cpu=query_lens,
             context_lens_cpu=context_lens,
         )
+        if num_decode:
+            nb = -(-max(context_lens[:num_decode]) // bs)
+            batch.decode_blocks = nb
+            batch.decode_block_ids = tensor([b for t in tables[:num_decode] for b in t[:nb]], torch.int64).clamp_(min=0)
+            pos = torch.arange(nb * bs, device=self.device)
+            batch.decode_mask = (pos < batch.context_lens[:num_decode, None])[:, None, None, :]
+        return batch
 
     @torch.inference_mode()
     def run(self, scheduled: list[ScheduledSeq], generators: list[torch.Generator | None]) -> SamplerOutput | None:

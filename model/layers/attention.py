@@ -76,18 +76,26 @@ class PagedAttention(nn.Module):
 
     def _decode(self, q: torch.Tensor, batch: Batch) -> torch.Tensor:
         # q: [B, H, D]; one query per sequence, batched over sequences with a padding mask.
-        nd = q.shape[0]
-        max_ctx = max(batch.context_lens_cpu[:nd])
-        k, v = self._gather(batch.block_tables[:nd], max_ctx)  # [B, KVH, S, D]
-        pos = torch.arange(k.shape[2], device=q.device)[None, :]  # [1, S]
-        ctx = batch.context_lens[:nd, None]  # [B, 1]
-        mask = pos < ctx
-        if self.window is not None:
-            mask &= pos >= ctx - self.window
+        nd, nb = q.shape[0], batch.decode_blocks
+        assert batch.decode_block_ids is not None and batch.decode_mask is not None
+        bs = self.k_cache.shape[1]
+        # index_select on the block dimension: one contiguous copy per block, faster than advanced indexing
+        k = self.k_cache.index_select(0, batch.decode_block_ids).view(nd, nb * bs, self.num_kv_heads, self.head_dim)
+        v = self.v_cache.index_select(0, batch.decode_block_ids).view(nd, nb * bs, self.num_kv_heads, self.head_dim)
+        mask = batch.decode_mask if self.window is None else self._window_mask(batch)
         o = F.scaled_dot_product_attention(
-            q[:, :, None, :], k, v, attn_mask=mask[:, None, None, :], scale=self.scale, enable_gqa=True
+            q[:, :, None, :], k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=self.scale, enable_gqa=True
         )  # [B, H, 1, D]
         return o[:, :, 0, :]
+
+    def _window_mask(self, batch: Batch) -> torch.Tensor:
+        assert self.window is not None and batch.decode_mask is not None
+        mask = batch.window_masks.get(self.window)
+        if mask is None:
+            pos = torch.arange(batch.decode_mask.shape[-1], device=batch.decode_mask.device)
+            ctx = batch.context_lens[: batch.num_decode, None, None, None]  # [B, 1, 1, 1]
+            mask = batch.window_masks[self.window] = batch.decode_mask & (pos >= ctx - self.window)
+        return mask
 
     def _gather(self, block_tables: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         # block_tables: [B, max_blocks] -> K, V: [B, KVH, S, D] with S = length rounded up to whole blocks
