@@ -6,6 +6,7 @@ callback, called from the worker thread after every step."""
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -183,6 +184,10 @@ class Engine:
             self.step_records.append(StepRecord([(s.seq.request_id, s.num_tokens) for s in sched.scheduled], sched.num_preempted))
         if not sched.scheduled:
             return []
+        now = time.monotonic()
+        for s in sched.scheduled:
+            if s.seq.first_scheduled_time is None:
+                s.seq.first_scheduled_time = now
         generators = [self._generators.get(s.seq.request_id) for s in sched.scheduled if s.samples]
         result = self.runner.run(sched.scheduled, generators)
         token_ids = result.token_ids.tolist() if result is not None else []
@@ -196,7 +201,10 @@ class Engine:
             logprobs = None
             if result is not None and result.logprobs is not None and result.logprobs[i] is not None:
                 logprobs = [result.logprobs[i]]
-            outputs.append(StepOutput(seq.request_id, [token], reason, logprobs, seq.num_prompt_tokens, seq.num_cached_tokens))
+            out = StepOutput(seq.request_id, [token], reason, logprobs, seq.num_prompt_tokens, seq.num_cached_tokens)
+            if seq.num_output_tokens == 1 and seq.first_scheduled_time is not None:
+                out.queue_time = seq.first_scheduled_time - seq.arrival_time
+            outputs.append(out)
             if reason is not None:
                 self.scheduler.remove(seq)
                 self._sequences.pop(seq.request_id, None)

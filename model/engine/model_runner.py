@@ -70,7 +70,10 @@ class ModelRunner:
         self.kv_cache = torch.zeros(
             2, c.num_layers, num_blocks, self.block_size, c.num_kv_heads, c.head_dim, dtype=self.dtype, device=self.device
         )
-        use_flash = flash_attn_usable(self.device) and self.dtype != torch.float32
+        # flash-attn's paged kernel takes pages of a multiple of 256 tokens and 16-bit inputs
+        use_flash = flash_attn_usable(self.device) and self.dtype != torch.float32 and self.block_size % 256 == 0
+        if flash_attn_usable(self.device) and not use_flash:
+            log.warning("flash-attn unused: it needs --block-size a multiple of 256 and a 16-bit --dtype")
         for i, layer in enumerate(self.decoder.layers):
             layer.self_attn.attn.k_cache = self.kv_cache[0, i]
             layer.self_attn.attn.v_cache = self.kv_cache[1, i]

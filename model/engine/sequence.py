@@ -1,6 +1,7 @@
 """One request's state inside the engine, and the plain dataclasses that cross the engine's boundary."""
 
 import enum
+import time
 from dataclasses import dataclass
 from itertools import count
 
@@ -19,6 +20,7 @@ class StepOutput:
     logprobs: list[TokenLogprob] | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    queue_time: float | None = None  # on a request's first output: seconds from add_request to its first step
 
 
 class SequenceStatus(enum.Enum):
@@ -33,7 +35,7 @@ _seq_counter = count()
 class Sequence:
     """One request's tokens, KV blocks and progress. `num_computed_tokens` tokens already have KV in the cache."""
 
-    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival_step: int = 0) -> None:
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self.seq_id = next(_seq_counter)
         self.request_id = request_id
         self.token_ids: list[int] = list(prompt_token_ids)
@@ -44,7 +46,8 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # from the prefix cache at the last admission
         self.finish_reason: str | None = None
-        self.arrival_step = arrival_step
+        self.arrival_time = time.monotonic()
+        self.first_scheduled_time: float | None = None
 
     def __len__(self) -> int:
         return len(self.token_ids)
