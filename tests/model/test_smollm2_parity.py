@@ -64,16 +64,22 @@ def test_greedy_32_tokens_match_transformers(make_engine: Any, hf_model: Any, de
     for i, prompt in enumerate(PROMPTS):
         ids = default_tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
         ours = run(engine, {f"p{i}": (ids, greedy(32))})[f"p{i}"]
-        assert ours == hf_greedy(hf_model, ids, 32)
+        ref, margins = hf_greedy(hf_model, ids, 32)
+        # Compare up to the first near-tie of transformers' top two logits (none in practice): below 1e-3 the
+        # argmax may legitimately flip with the summation order of either implementation.
+        exact = next((i for i, m in enumerate(margins) if m < 1e-3), 32)
+        assert ours[:exact] == ref[:exact]
 
 
 @torch.inference_mode()
-def hf_greedy(hf_model: Any, ids: list[int], n: int) -> list[int]:
-    # A plain argmax loop on transformers' KV cache, past any end-of-turn token (our side ignores eos too).
+def hf_greedy(hf_model: Any, ids: list[int], n: int) -> tuple[list[int], list[float]]:
+    """A plain argmax loop on transformers' KV cache, past any end-of-turn token (our side ignores eos too).
+    Returns the tokens and, per step, the gap between the two largest logits."""
     out = hf_model(torch.tensor([ids]), use_cache=True)
-    tokens = []
+    tokens, margins = [], []
     for _ in range(n):
-        token = int(out.logits[0, -1].argmax())
-        tokens.append(token)
-        out = hf_model(torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
-    return tokens
+        top2 = out.logits[0, -1].float().topk(2)
+        tokens.append(int(top2.indices[0]))
+        margins.append(float(top2.values[0] - top2.values[1]))
+        out = hf_model(torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values, use_cache=True)
+    return tokens, margins
