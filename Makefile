@@ -31,7 +31,7 @@ test: install model
 	$(PY) -m pytest -q -x -p no:cacheprovider tests
 
 bench: install model
-	$(PY) bench/serve_bench.py --spawn --concurrency 1 4 16 32 64 --out bench/RESULTS.md
+	$(PY) bench/serve_bench.py --spawn --server-args "$(ARGS)" --concurrency 1 4 16 32 64 --out bench/RESULTS.md
 
 clean:
 	rm -rf $(VENV) models
