@@ -24,7 +24,7 @@ class Settings(BaseSettings):
     num_threads: int = Field(0, description="torch intra-op threads; 0 = torch's default")
 
     # KV cache and scheduling
-    kv_cache_memory: int = Field(512 * 1024 * 1024, description="bytes of KV cache (on CUDA: 0 = use --gpu-memory-utilization)")
+    kv_cache_memory: int = Field(1024 * 1024 * 1024, description="bytes of KV cache (on CUDA: 0 = use --gpu-memory-utilization)")
     gpu_memory_utilization: float = Field(0.9, description="fraction of free CUDA memory for the KV cache when --kv-cache-memory is 0")
     block_size: int = Field(16, description="tokens per KV block")
     max_num_seqs: int = Field(64, description="most sequences in one step")
