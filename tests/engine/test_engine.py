@@ -4,6 +4,7 @@ import random
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 import torch
 
 from model.engine.engine import Engine
@@ -72,8 +73,9 @@ def test_shared_prefix_is_computed_once(make_engine: MakeEngine, default_tokeniz
 
 def test_preemption_under_memory_pressure_changes_no_output(make_engine: MakeEngine, default_tokenizer: Tokenizer) -> None:
     requests = {f"r{i}": (prompt_ids(default_tokenizer, 40 + i, seed=20 + i), greedy(24)) for i in range(12)}
-    reference = run(make_engine(max_num_batched_tokens=1024), requests)
-    c = make_engine().runner.config
+    unconstrained = make_engine(max_num_batched_tokens=1024)
+    reference = run(unconstrained, requests)
+    c = unconstrained.runner.config
     per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4
     tight = make_engine(kv_cache_memory=per_token * 16 * 9, max_num_batched_tokens=1024)  # 9 blocks: ~2 sequences
     constrained = run(tight, requests)
@@ -116,15 +118,7 @@ def test_long_prefill_never_starves_running_streams(make_engine: MakeEngine, def
 
 def test_request_that_can_never_fit_is_rejected_up_front(make_engine: MakeEngine) -> None:
     engine = make_engine(kv_cache_memory=2**20, max_model_len=4096)
-    try:
+    with pytest.raises(ValueError, match="KV cache"):
         engine.add_request("big", [1] * 1000, greedy(10))
-    except ValueError as exc:
-        assert "KV cache" in str(exc)
-    else:
-        raise AssertionError("expected a ValueError")
-    try:
+    with pytest.raises(ValueError, match="maximum context length is 4096"):
         engine.add_request("long", [1] * 4000, greedy(200))
-    except ValueError as exc:
-        assert "maximum context length is 4096" in str(exc)
-    else:
-        raise AssertionError("expected a ValueError")
