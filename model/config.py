@@ -218,7 +218,9 @@ class ModelConfig:
         num_heads = int(get("attention.head_count"))
         hidden = int(get("embedding_length"))
         vocab = get("vocab_size") or len(metadata["tokenizer.ggml.tokens"])
-        eos = metadata.get("tokenizer.ggml.eos_token_id")
+        # end of text, end of turn and end of message all end generation
+        eos_keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+        eos = tuple(dict.fromkeys(int(metadata[k]) for k in eos_keys if metadata.get(k) is not None))
         rope_scaling = None
         if get("rope.scaling.type") == "linear":
             rope_scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
@@ -243,7 +245,7 @@ class ModelConfig:
             qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
             weight_names=family.weight_names,
             bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
-            eos_token_ids=(int(eos),) if eos is not None else (),
+            eos_token_ids=eos,
         )
 
 

@@ -1,6 +1,5 @@
 """The model's tokenizer and chat template (via transformers), for GGUF files and Hugging Face folders."""
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +21,7 @@ class Tokenizer:
         else:
             hf = AutoTokenizer.from_pretrained(str(model_path))
         eos = {hf.eos_token_id} if hf.eos_token_id is not None else set()
-        eos |= _extra_eos_ids(model_path, hf)
+        eos |= _extra_eos_ids(hf)
         template = Path(chat_template_file).read_text() if chat_template_file else None
         return cls(hf, eos, template)
 
@@ -54,21 +53,10 @@ class Tokenizer:
         return self.encode(text, add_special_tokens=False)
 
 
-def _extra_eos_ids(model_path: Path, hf: PreTrainedTokenizerBase) -> set[int]:
+def _extra_eos_ids(hf: PreTrainedTokenizerBase) -> set[int]:
+    # eos ids declared by the checkpoint (GGUF metadata, generation_config.json) come from ModelConfig, which has
+    # already parsed those files; the engine merges both lists. Here: the tokenizer's own end-of-turn tokens.
     ids: set[int] = set()
-    if model_path.is_file():
-        import gguf
-
-        reader = gguf.GGUFReader(str(model_path))
-        for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
-            field = reader.fields.get(key)
-            if field is not None:
-                ids.add(int(field.contents()))
-    else:
-        gen_config = model_path / "generation_config.json"
-        if gen_config.exists():
-            eos = json.loads(gen_config.read_text()).get("eos_token_id")
-            ids |= set(eos) if isinstance(eos, list) else ({eos} if eos is not None else set())
     for token in ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>"):
         token_id = hf.convert_tokens_to_ids(token)
         if isinstance(token_id, int) and token_id != hf.unk_token_id and token in hf.get_vocab():

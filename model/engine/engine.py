@@ -50,9 +50,8 @@ class Engine:
     def __init__(self, settings: Settings, tokenizer: Tokenizer | None = None, record_steps: bool = False) -> None:
         self.settings = settings
         self.tokenizer = tokenizer or Tokenizer.load(settings.model_path, settings.chat_template)
-        eos = sorted(self.tokenizer.eos_token_ids)
-        self.runner = ModelRunner(settings, eos)
-        self.eos_token_ids = set(eos) | set(self.runner.config.eos_token_ids)
+        self.runner = ModelRunner(settings, sorted(self.tokenizer.eos_token_ids))
+        self.eos_token_ids = set(self.runner.eos_token_ids)  # one list for stopping and for min_tokens masking
         self.max_model_len = self.runner.max_model_len
         self.block_manager = BlockManager(self.runner.num_blocks, settings.block_size, settings.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, settings.max_num_seqs, settings.max_num_batched_tokens)

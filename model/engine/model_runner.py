@@ -49,7 +49,7 @@ class ModelRunner:
         self.config = load_config(settings.model_path)
         self.max_model_len = settings.max_model_len or self.config.max_position_embeddings
         self.block_size = settings.block_size
-        self.eos_token_ids = eos_token_ids
+        self.eos_token_ids = sorted(set(eos_token_ids) | set(self.config.eos_token_ids))  # the tokenizer's and the checkpoint's
         started = time.perf_counter()
         self.decoder = build_decoder(settings.model_path, self.config, self.max_model_len, self.dtype, self.device)
         if settings.quantization == "int8":
