@@ -12,6 +12,7 @@ from model.config import ModelConfig
 from model.decoder import Decoder
 from model.engine.scheduler import ScheduledSeq
 from model.layers.attention import flash_attn_usable
+from model.layers.linear import onednn_usable, pack_linears
 from model.layers.quantization import quantize_int8
 from model.layers.sampler import Sampler, SamplerOutput, SamplingBatch
 from model.loaders import load_config, read_weights
@@ -54,6 +55,8 @@ class ModelRunner:
         self.decoder = build_decoder(settings.model_path, self.config, self.max_model_len, self.dtype, self.device)
         if settings.quantization == "int8":
             quantize_int8(self.decoder)
+        elif settings.prepack_weights and onednn_usable(self.device, self.dtype):
+            pack_linears(self.decoder)
         self.load_seconds = time.perf_counter() - started
         self.sampler = Sampler()
         self.num_blocks = self._allocate_kv_cache(settings)
