@@ -18,7 +18,7 @@ class Settings(BaseSettings):
     models_dir: Path = Field(Path("models"), description="where the default model is cached")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="auto: float32 on CPU, bfloat16 on CUDA")
     device: str = Field("auto", description="auto, cpu or cuda[:N]")
-    quantization: Literal["none", "int8"] = Field("none", description="weight-only quantization of linear layers")
+    quantization: Literal["none", "int8", "int4"] = Field("none", description="weight-only quantization of linear layers (CPU)")
     prepack_weights: bool = Field(True, description="CPU: reorder linear weights once for oneDNN (about 2x MKL here)")
     max_model_len: int = Field(0, description="context length; 0 = the model's own")
     chat_template: str = Field("", description="jinja file overriding the model's chat template")

@@ -13,7 +13,7 @@ from model.decoder import Decoder
 from model.engine.scheduler import ScheduledSeq
 from model.layers.attention import flash_attn_usable
 from model.layers.linear import onednn_usable, pack_linears
-from model.layers.quantization import quantize_int8
+from model.layers.quantization import quantize
 from model.layers.sampler import Sampler, SamplerOutput, SamplingBatch
 from model.loaders import load_config, read_weights
 
@@ -53,8 +53,8 @@ class ModelRunner:
         self.eos_token_ids = sorted(set(eos_token_ids) | set(self.config.eos_token_ids))  # the tokenizer's and the checkpoint's
         started = time.perf_counter()
         self.decoder = build_decoder(settings.model_path, self.config, self.max_model_len, self.dtype, self.device)
-        if settings.quantization == "int8":
-            quantize_int8(self.decoder)
+        if settings.quantization != "none":
+            quantize(self.decoder, settings.quantization)
         elif settings.prepack_weights and onednn_usable(self.device, self.dtype):
             pack_linears(self.decoder)
         self.load_seconds = time.perf_counter() - started

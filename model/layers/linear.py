@@ -17,18 +17,24 @@ def onednn_usable(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 class PackedLinear(nn.Module):
-    def __init__(self, linear: nn.Linear) -> None:
+    """`dtype`: the weights' and the matmul's type when it differs from the model's (a bfloat16 LM head beside
+    int4 layers); inputs are cast to it and outputs back."""
+
+    def __init__(self, linear: nn.Linear, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.dtype = dtype or linear.weight.dtype
         # a plain attribute, not a buffer: the blocked tensor has no strides, and nothing may .to() or save it
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), BATCH_HINT)
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach().to(self.dtype), BATCH_HINT)
+        bias = None if linear.bias is None else linear.bias.detach().to(self.dtype).clone()
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        y = torch.ops.mkldnn._linear_pointwise(x.to(self.dtype), self.packed, self.bias, "none", [], "")
+        return y.to(x.dtype)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, oneDNN-packed"
+        return f"in_features={self.in_features}, out_features={self.out_features}, oneDNN-packed {self.dtype}"
 
 
 def pack_linears(module: nn.Module) -> None:
