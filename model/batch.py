@@ -27,6 +27,7 @@ class Batch:
     decode_blocks: int = 0  # blocks per decode row (the longest row's), the rest padded with block 0
     decode_mask: torch.Tensor | None = None  # [num_decode, 1, 1, decode_blocks * block_size] bool, True = attend
     window_masks: dict[int, torch.Tensor] = field(default_factory=dict)  # the same, per sliding window
+    rotary_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # cos, sin at positions
 
     @property
     def num_seqs(self) -> int:

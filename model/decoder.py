@@ -33,6 +33,7 @@ class Attention(nn.Module):
         # rows: [q (H*D); k (KVH*D); v (KVH*D)]
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+        self.qk_norm = config.qk_norm
         self.q_norm: nn.Module = _norm(config, self.head_dim) if config.qk_norm else nn.Identity()
         self.k_norm: nn.Module = _norm(config, self.head_dim) if config.qk_norm else nn.Identity()
         self.rotary = rotary
@@ -40,11 +41,13 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
         # x: [T, hidden]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = self.q_norm(q.view(-1, self.num_heads, self.head_dim))  # [T, H, D], normed per head
-        k = self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim))  # [T, KVH, D]
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(batch.positions, q, k)
+        qkv = self.qkv_proj(x)
+        qk = qkv[:, : self.q_size + self.kv_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
+        v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:  # per head, before the rotation
+            qk = torch.cat([self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])], dim=1)
+        qk = self.rotary(batch.positions, qk, batch.rotary_cache)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]  # [T, H, D], [T, KVH, D]
         o = self.attn(q, k, v, batch)  # [T, H, D]
         return self.o_proj(o.reshape(-1, self.q_size))
 
@@ -55,6 +58,7 @@ class DecoderLayer(nn.Module):
         self.attn_norm = _norm(config, config.hidden_size)
         self.self_attn = Attention(config, rotary, window)
         # Gemma 3 also norms each sub-block's output before it joins the residual stream
+        self.sandwich_norms = config.sandwich_norms
         self.attn_out_norm: nn.Module = _norm(config, config.hidden_size) if config.sandwich_norms else nn.Identity()
         self.mlp_norm = _norm(config, config.hidden_size)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, config.mlp_bias)
@@ -68,9 +72,12 @@ class DecoderLayer(nn.Module):
             residual, h = x, self.attn_norm(x)
         else:
             h, residual = self.attn_norm(x, residual)
-        h = self.attn_out_norm(self.self_attn(h, batch))
+        h = self.self_attn(h, batch)
+        if self.sandwich_norms:
+            h = self.attn_out_norm(h)
         h, residual = self.mlp_norm(h, residual)
-        return self.mlp_out_norm(self.mlp(h)), residual
+        h = self.mlp(h)
+        return (self.mlp_out_norm(h) if self.sandwich_norms else h), residual
 
 
 class Decoder(nn.Module):

@@ -51,8 +51,10 @@ class PagedAttention(nn.Module):
         )
 
     def _torch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Batch) -> torch.Tensor:
-        out = torch.empty_like(q)
         nd = batch.num_decode
+        if nd == batch.num_seqs:  # decode only: the common step, no copy into a shared output
+            return self._decode(q, batch)
+        out = torch.empty_like(q)
         if nd:
             out[:nd] = self._decode(q[:nd], batch)
         start = nd
