@@ -6,6 +6,7 @@ weights load: /health says 503 until the engine is ready, generation routes say 
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -35,6 +36,25 @@ def _build_engine(settings: Settings) -> "Engine":
     return Engine(settings)
 
 
+async def _in_fresh_thread(fn: Callable[[Settings], "Engine"], settings: Settings) -> "Engine":
+    """Run fn in a thread that exits afterwards. Each thread that runs torch ops gets its own OpenMP pool, and
+    libgomp stops spinning at its barriers once more pool threads exist than CPUs: building the engine in a
+    lingering executor thread left the step loop 30 % slower (51 vs 39 ms per single-stream token here)."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future["Engine"] = loop.create_future()
+
+    def run() -> None:
+        try:
+            result = fn(settings)
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
+            loop.call_soon_threadsafe(done.set_exception, exc)
+        else:
+            loop.call_soon_threadsafe(done.set_result, result)
+
+    threading.Thread(target=run, name="llmserve-load", daemon=True).start()
+    return await done
+
+
 async def _load(app: FastAPI, engine_factory: Callable[[Settings], "Engine"]) -> None:
     from server.async_engine import AsyncEngine
     from server.logprobs import TokenText
@@ -43,7 +63,7 @@ async def _load(app: FastAPI, engine_factory: Callable[[Settings], "Engine"]) ->
     settings: Settings = state.settings
     started = time.monotonic()
     try:
-        engine = await asyncio.to_thread(engine_factory, settings)
+        engine = await _in_fresh_thread(engine_factory, settings)
         async_engine = AsyncEngine(engine, state.metrics)
         await async_engine.start()
     except Exception as exc:
