@@ -29,7 +29,7 @@ class Settings(BaseSettings):
     gpu_memory_utilization: float = Field(0.9, description="fraction of free CUDA memory for the KV cache when --kv-cache-memory is 0")
     block_size: int = Field(16, description="tokens per KV block")
     max_num_seqs: int = Field(64, description="most sequences in one step")
-    max_num_batched_tokens: int = Field(512, description="most tokens (prefill + decode) in one step")
+    max_num_batched_tokens: int = Field(256, description="most tokens (prefill + decode) in one step; smaller keeps running streams flowing during long prompts")
     enable_prefix_caching: bool = Field(True, description="reuse KV blocks of earlier prompts with the same prefix")
 
     # Server
