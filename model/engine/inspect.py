@@ -11,7 +11,9 @@ def describe_model(settings: Settings) -> str:
     device = resolve_device(settings.device)
     dtype = resolve_dtype(settings.dtype, device)
     config = load_config(settings.model_path)
-    decoder = build_decoder(settings.model_path, config, settings.max_model_len or config.max_position_embeddings, dtype, device)
+    # the checkpoint's own structure and parameter count: no CPU prepacking or quantization
+    max_len = settings.max_model_len or config.max_position_embeddings
+    decoder = build_decoder(settings.model_path, config, max_len, dtype, device, prepack_weights=False)
     params = sum(p.numel() for p in decoder.parameters())
     c = config
     header = (

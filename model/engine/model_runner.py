@@ -34,10 +34,20 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
-def build_decoder(path: Path, config: ModelConfig, max_positions: int, dtype: torch.dtype, device: torch.device) -> Decoder:
-    """Allocate the decoder without random init, then stream the checkpoint into it tensor by tensor."""
+def build_decoder(
+    path: Path, config: ModelConfig, max_positions: int, dtype: torch.dtype, device: torch.device,
+    quantization: str = "none", prepack_weights: bool = True,
+) -> Decoder:
+    """Allocate the decoder without random init, stream the checkpoint into it tensor by tensor, then give its
+    linear layers their CPU form: quantized, or reordered once for oneDNN."""
     decoder = Decoder.allocate(config, max_positions, dtype, device)
     decoder.load_weights(read_weights(path, config))
+    if quantization != "none":
+        if device.type != "cpu":
+            raise ValueError(f"--quantization {quantization} runs on CPU only; on {device.type} use --dtype bfloat16")
+        quantize(decoder, quantization)
+    elif prepack_weights and onednn_usable(device, dtype):
+        pack_linears(decoder)
     return decoder.eval()
 
 
@@ -52,11 +62,10 @@ class ModelRunner:
         self.block_size = settings.block_size
         self.eos_token_ids = sorted(set(eos_token_ids) | set(self.config.eos_token_ids))  # the tokenizer's and the checkpoint's
         started = time.perf_counter()
-        self.decoder = build_decoder(settings.model_path, self.config, self.max_model_len, self.dtype, self.device)
-        if settings.quantization != "none":
-            quantize(self.decoder, settings.quantization)
-        elif settings.prepack_weights and onednn_usable(self.device, self.dtype):
-            pack_linears(self.decoder)
+        self.decoder = build_decoder(
+            settings.model_path, self.config, self.max_model_len, self.dtype, self.device,
+            settings.quantization, settings.prepack_weights,
+        )
         self.load_seconds = time.perf_counter() - started
         self.sampler = Sampler()
         self.num_blocks = self._allocate_kv_cache(settings)
