@@ -12,21 +12,35 @@ from model.layers.linear import PackedLinear, onednn_usable
 INT4_GROUP = 32
 
 
-class Int8Linear(nn.Module):
+class WeightOnlyLinear(nn.Module):
+    """What int8 and int4 layers share: inputs flattened and cast to bfloat16 for the kernel, outputs cast back to
+    the model's dtype, and the bias added in that dtype."""
+
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
-        w = linear.weight.detach().float()  # [out, in]
-        scales = w.abs().amax(dim=1).clamp(min=1e-8) / 127.0  # [out]
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.register_buffer("weight", torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8))
-        self.register_buffer("scales", scales.to(torch.bfloat16))
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError  # [N, in] bfloat16 -> [N, out]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape  # [..., in]
-        y = torch._weight_int8pack_mm(x.reshape(-1, self.in_features).to(torch.bfloat16), self.weight, self.scales)
+        y = self.matmul(x.reshape(-1, self.in_features).to(torch.bfloat16))
         y = y.to(x.dtype).reshape(*shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
+
+
+class Int8Linear(WeightOnlyLinear):
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__(linear)
+        w = linear.weight.detach().float()  # [out, in]
+        scales = w.abs().amax(dim=1).clamp(min=1e-8) / 127.0  # [out]
+        self.register_buffer("weight", torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8))
+        self.register_buffer("scales", scales.to(torch.bfloat16))
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int8pack_mm(x, self.weight, self.scales)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-channel"
@@ -44,30 +58,24 @@ def int4_quantize(weight: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.
     return q.view(out_features, in_features), scale, minimum
 
 
-class Int4Linear(nn.Module):
+class Int4Linear(WeightOnlyLinear):
     """Group-wise asymmetric int4 through torch's CPU kernel (`_weight_int4pack_mm_for_cpu`), whose dequantization
     is (q - 8) * scale + zero: zero = minimum + 8 * scale gives q * scale + minimum."""
 
     def __init__(self, linear: nn.Linear) -> None:
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
+        super().__init__(linear)
         q, scale, minimum = int4_quantize(linear.weight)
         self.register_buffer("weight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))  # [out, in/2] uint8
         zero = minimum + 8 * scale
         self.register_buffer("scales_and_zeros", torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16))
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
 
     @staticmethod
     def supports(linear: nn.Linear) -> bool:
         # the kernel's constraints: whole groups along the input, output rows in multiples of 16
         return linear.in_features % INT4_GROUP == 0 and linear.out_features % 16 == 0
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape  # [..., in]
-        x16 = x.reshape(-1, self.in_features).to(torch.bfloat16)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x16, self.weight, INT4_GROUP, self.scales_and_zeros)
-        y = y.to(x.dtype).reshape(*shape[:-1], self.out_features)
-        return y if self.bias is None else y + self.bias
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.weight, INT4_GROUP, self.scales_and_zeros)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int4 groups of {INT4_GROUP}"
