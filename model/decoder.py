@@ -33,9 +33,8 @@ class Attention(nn.Module):
         # rows: [q (H*D); k (KVH*D); v (KVH*D)]
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
-        self.qk_norm = config.qk_norm
-        self.q_norm: nn.Module = _norm(config, self.head_dim) if config.qk_norm else nn.Identity()
-        self.k_norm: nn.Module = _norm(config, self.head_dim) if config.qk_norm else nn.Identity()
+        self.q_norm = _norm(config, self.head_dim) if config.qk_norm else None
+        self.k_norm = _norm(config, self.head_dim) if config.qk_norm else None
         self.rotary = rotary
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, config.attention_scale, window)
 
@@ -44,7 +43,7 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)
         qk = qkv[:, : self.q_size + self.kv_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:  # per head, before the rotation
+        if self.q_norm is not None and self.k_norm is not None:  # per head, before the rotation
             qk = torch.cat([self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])], dim=1)
         qk = self.rotary(batch.positions, qk, batch.rotary_cache)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]  # [T, H, D], [T, KVH, D]
@@ -58,11 +57,10 @@ class DecoderLayer(nn.Module):
         self.attn_norm = _norm(config, config.hidden_size)
         self.self_attn = Attention(config, rotary, window)
         # Gemma 3 also norms each sub-block's output before it joins the residual stream
-        self.sandwich_norms = config.sandwich_norms
-        self.attn_out_norm: nn.Module = _norm(config, config.hidden_size) if config.sandwich_norms else nn.Identity()
+        self.attn_out_norm = _norm(config, config.hidden_size) if config.sandwich_norms else None
         self.mlp_norm = _norm(config, config.hidden_size)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, config.mlp_bias)
-        self.mlp_out_norm: nn.Module = _norm(config, config.hidden_size) if config.sandwich_norms else nn.Identity()
+        self.mlp_out_norm = _norm(config, config.hidden_size) if config.sandwich_norms else None
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, batch: Batch
@@ -73,11 +71,11 @@ class DecoderLayer(nn.Module):
         else:
             h, residual = self.attn_norm(x, residual)
         h = self.self_attn(h, batch)
-        if self.sandwich_norms:
+        if self.attn_out_norm is not None:
             h = self.attn_out_norm(h)
         h, residual = self.mlp_norm(h, residual)
         h = self.mlp(h)
-        return (self.mlp_out_norm(h) if self.sandwich_norms else h), residual
+        return (h if self.mlp_out_norm is None else self.mlp_out_norm(h)), residual
 
 
 class Decoder(nn.Module):
