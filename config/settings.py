@@ -20,6 +20,7 @@ class Settings(BaseSettings):
     device: str = Field("auto", description="auto, cpu or cuda[:N]")
     quantization: Literal["none", "int8", "int4"] = Field("none", description="weight-only quantization of linear layers (CPU)")
     prepack_weights: bool = Field(True, description="CPU: reorder linear weights once for oneDNN (about 2x MKL here)")
+    torch_compile: bool = Field(False, description="CPU: torch.compile the decode step at start-up (needs a C++ compiler)")
     max_model_len: int = Field(0, description="context length; 0 = the model's own")
     chat_template: str = Field("", description="jinja file overriding the model's chat template")
     num_threads: int = Field(0, description="torch intra-op threads; 0 = torch's default")

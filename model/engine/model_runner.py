@@ -1,7 +1,9 @@
 """ModelRunner: builds the decoder and its KV pool, turns scheduled sequences into a Batch, and returns sampled tokens."""
 
 import logging
+import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -11,7 +13,8 @@ from model.batch import Batch
 from model.config import ModelConfig
 from model.decoder import Decoder
 from model.engine.scheduler import ScheduledSeq
-from model.layers.attention import flash_attn_usable
+from model.engine.sequence import Sequence, SamplingParams
+from model.layers.attention import compiled_step, flash_attn_usable
 from model.layers.linear import onednn_usable, pack_linears
 from model.layers.quantization import quantize
 from model.layers.sampler import Sampler, SamplerOutput, SamplingBatch
@@ -69,6 +72,29 @@ class ModelRunner:
         self.load_seconds = time.perf_counter() - started
         self.sampler = Sampler()
         self.num_blocks = self._allocate_kv_cache(settings)
+        self.compiled_forward: Callable[[Batch], torch.Tensor] | None = None
+        self.compile_seconds = 0.0
+        if settings.torch_compile:
+            self._compile()
+
+    def _compile(self) -> None:
+        """Compile the decode-only forward and warm it up here, at start-up: one graph for a single stream (torch
+        specializes size 1) and one for any larger batch. Steps with prompt tokens stay eager: they are bound by
+        the matmuls, where the compiler saves nothing."""
+        if self.device.type != "cpu":
+            raise ValueError("--torch-compile is measured and tested on CPU only; on CUDA leave it off")
+        if shutil.which("cc") is None and shutil.which("gcc") is None:
+            raise ValueError("--torch-compile needs a C++ compiler (cc or gcc) on PATH; none found")
+        started = time.perf_counter()
+        self.compiled_forward = torch.compile(self.decoder, dynamic=True)
+        for n in (1, 2):
+            # a sequence of two tokens whose first has KV in block 0, which nothing owns yet at start-up
+            seqs = [Sequence(f"warmup-{i}", [0, 0], SamplingParams(max_tokens=1)) for i in range(n)]
+            for seq in seqs:
+                seq.block_table, seq.num_computed_tokens = [0], 1
+            self.run([ScheduledSeq(seq, 1) for seq in seqs], [None] * n)
+        self.compile_seconds = time.perf_counter() - started
+        log.info("decode step compiled in %.1fs", self.compile_seconds)
 
     def _allocate_kv_cache(self, settings: Settings) -> int:
         c = self.config
@@ -153,7 +179,11 @@ class ModelRunner:
     def run(self, scheduled: list[ScheduledSeq], generators: list[torch.Generator | None]) -> SamplerOutput | None:
         """One forward over all scheduled tokens; sample one token for each row that reached its end."""
         batch = self.prepare(scheduled)
-        hidden = self.decoder(batch)
+        if self.compiled_forward is not None and batch.num_decode == batch.num_seqs:
+            with compiled_step(batch):
+                hidden = self.compiled_forward(batch)
+        else:
+            hidden = self.decoder(batch)
         rows = [s.seq for s in scheduled if s.samples]
         if not rows:
             return None

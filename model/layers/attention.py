@@ -1,6 +1,14 @@
 """Paged attention. K/V of the new tokens are written into the block pool through `slot_mapping`; queries read
 the context through `block_tables`. Two backends: flash-attn's paged varlen kernel on CUDA, and an exact torch
-path (scaled_dot_product_attention) everywhere else."""
+path (scaled_dot_product_attention) everywhere else.
+
+torch.compile sees each layer's attention as one opaque custom op, `llmserve::paged_attention`: the cache writes
+are in-place updates of a pool the graph does not own, and the torch path loops over host-side lists."""
+
+import threading
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +26,34 @@ def flash_attn_usable(device: torch.device) -> bool:
     return flash_attn_varlen_func is not None and device.type == "cuda"
 
 
+# index -> layer; weak, so dropped decoders free their KV pools
+_LAYERS: list[weakref.ref["PagedAttention"]] = []
+# The Batch (host lists and ints besides tensors) cannot be an argument of the custom op: the ModelRunner sets it
+# for the compiled step and the op reads it back here, as vLLM's forward context does.
+_step = threading.local()
+
+
+@contextmanager
+def compiled_step(batch: Batch) -> Iterator[None]:
+    _step.batch = batch
+    try:
+        yield
+    finally:
+        _step.batch = None
+
+
+@torch.library.custom_op("llmserve::paged_attention", mutates_args=())
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: int) -> torch.Tensor:
+    layer = _LAYERS[index]()
+    assert layer is not None and _step.batch is not None, "paged_attention runs inside compiled_step(batch)"
+    return layer.attend(q, k, v, _step.batch)
+
+
+@paged_attention.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: int) -> torch.Tensor:
+    return q.new_empty(q.shape)
+
+
 class PagedAttention(nn.Module):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, window: int | None) -> None:
         super().__init__()
@@ -30,9 +66,16 @@ class PagedAttention(nn.Module):
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
         self.use_flash = False
+        self.index = len(_LAYERS)
+        _LAYERS.append(weakref.ref(self))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Batch) -> torch.Tensor:
-        # q: [T, H, D], k/v: [T, KVH, D] -> [T, H, D]
+        if torch.compiler.is_compiling():
+            return paged_attention(q, k, v, self.index)
+        return self.attend(q, k, v, batch)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Batch) -> torch.Tensor:
+        # q: [T, H, D], k/v: [T, KVH, D] -> [T, H, D], a new tensor (a custom op's output may not alias its inputs)
         if self.k_cache.numel():
             self.k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, batch.slot_mapping, k)
             self.v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, batch.slot_mapping, v)

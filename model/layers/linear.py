@@ -3,7 +3,12 @@
 torch's F.linear sends float32 to MKL, whose GEMV/GEMM runs at about half of memory bandwidth on the AMD EPYC
 machines here (one row: ~11 GB/s of weights against ~24 GB/s for a plain read). oneDNN's JIT kernels, on a weight
 laid out for them ahead of time, read ~21 GB/s at one row and are about twice MKL at 16 rows, in float32 and in
-bfloat16 (bench/gemm_backends.py prints the comparison)."""
+bfloat16 (bench/gemm_backends.py prints the comparison).
+
+The blocked weight is opaque to torch.compile, so a compiled forward calls each layer through the custom op
+`llmserve::packed_linear`, which names the layer by its index in a registry."""
+
+import weakref
 
 import torch
 from torch import nn
@@ -14,6 +19,24 @@ BATCH_HINT = 16
 
 def onednn_usable(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available()
+
+
+# index -> layer; weak, so decoders that are dropped (tests build many) free their weights
+_LAYERS: list[weakref.ref["PackedLinear"]] = []
+
+
+@torch.library.custom_op("llmserve::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, index: int) -> torch.Tensor:
+    layer = _LAYERS[index]()
+    assert layer is not None
+    return layer.matmul(x)
+
+
+@packed_linear.register_fake
+def _(x: torch.Tensor, index: int) -> torch.Tensor:
+    layer = _LAYERS[index]()
+    assert layer is not None
+    return x.new_empty(*x.shape[:-1], layer.out_features)
 
 
 class PackedLinear(nn.Module):
@@ -28,10 +51,19 @@ class PackedLinear(nn.Module):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach().to(self.dtype), BATCH_HINT)
         bias = None if linear.bias is None else linear.bias.detach().to(self.dtype).clone()
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.index = len(_LAYERS)
+        _LAYERS.append(weakref.ref(self))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == self.dtype:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         y = torch.ops.mkldnn._linear_pointwise(x.to(self.dtype), self.packed, self.bias, "none", [], "")
         return y.to(x.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return packed_linear(x, self.index)
+        return self.matmul(x)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, oneDNN-packed {self.dtype}"

@@ -1,0 +1,72 @@
+"""--torch-compile: the compiled decode step gives the eager step's logits and greedy tokens, through the custom ops
+that keep oneDNN-packed weights and the paged KV pool outside the graph."""
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from config import Settings
+from model.engine.engine import Engine
+from model.layers.attention import compiled_step
+from tests.engine.drive import greedy, run
+from tests.model.families import build_hf, make_tokenizer, prompts, save_hf
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("cc") is None and shutil.which("gcc") is None, reason="torch.compile on CPU needs a C++ compiler"
+)
+
+
+@pytest.fixture(scope="module")
+def mistral_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # sliding-window layers, GQA, untied LM head: the attention op's window masks run inside the compiled step
+    return save_hf(build_hf("mistral"), tmp_path_factory.mktemp("mistral"))
+
+
+def engine(folder: Path, **overrides: object) -> Engine:
+    settings = Settings(model=str(folder), kv_cache_memory=4 * 2**20, block_size=16, **overrides)
+    return Engine(settings, tokenizer=make_tokenizer())
+
+
+def test_compiled_decode_steps_give_eager_tokens(mistral_folder: Path) -> None:
+    compiled = engine(mistral_folder, torch_compile=True)
+    runner = compiled.runner
+    assert runner.compiled_forward is not None and runner.compile_seconds > 0
+    calls = 0
+    forward = runner.compiled_forward
+
+    def counting(batch: object) -> torch.Tensor:
+        nonlocal calls
+        calls += 1
+        return forward(batch)
+
+    runner.compiled_forward = counting
+    # staggered arrivals: single-stream steps, batched steps, and prompt steps (eager) between them; 40 tokens cross
+    # the window of 16 and two KV blocks
+    requests = {f"r{i}": (p, greedy(40)) for i, p in enumerate(prompts(lengths=(5, 23, 50, 9)))}
+    arrivals = {"r0": 0, "r1": 3, "r2": 7, "r3": 30}
+    got = run(compiled, requests, arrivals)
+    want = run(engine(mistral_folder), requests, arrivals)
+    assert got == want
+    assert calls > 40  # most steps were decode-only and went through the compiled forward
+    assert compiled.block_manager.num_used == 0
+
+
+def test_compiled_logits_match_eager_on_a_decode_batch(mistral_folder: Path) -> None:
+    e = engine(mistral_folder, torch_compile=True)
+    requests = {f"r{i}": (p, greedy(3)) for i, p in enumerate(prompts(lengths=(5, 23, 50)))}
+    for rid, (ids, params) in requests.items():
+        e.add_request(rid, ids, params)
+    e._drain_inbox(block=False)
+    while any(s.num_computed_tokens < s.num_prompt_tokens for s in e.scheduler.running) or not e.scheduler.running:
+        e.step()
+    scheduled = e.scheduler.schedule().scheduled
+    assert len(scheduled) == 3 and all(s.num_tokens == 1 for s in scheduled)
+    runner = e.runner
+    with torch.inference_mode():
+        batch = runner.prepare(scheduled)
+        eager = runner.decoder.compute_logits(runner.decoder(batch))
+        with compiled_step(batch):
+            compiled = runner.decoder.compute_logits(runner.compiled_forward(batch))
+    torch.testing.assert_close(compiled, eager, atol=1e-4, rtol=1e-4)
