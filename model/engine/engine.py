@@ -78,6 +78,7 @@ class Engine:
             f"attention={self.runner.attention_backend} kv_cache={self.block_manager.num_blocks} blocks x "
             f"{self.block_manager.block_size} tokens = {self.kv_capacity_tokens} tokens max_model_len={self.max_model_len} "
             f"loaded in {self.runner.load_seconds:.1f}s"
+            + (f", decode step compiled in {self.runner.compile_seconds:.1f}s" if self.runner.compiled_forward is not None else "")
         )
 
     # ---- called from any thread -------------------------------------------------------------------------------
