@@ -86,13 +86,19 @@ class ModelRunner:
         if shutil.which("cc") is None and shutil.which("gcc") is None:
             raise ValueError("--torch-compile needs a C++ compiler (cc or gcc) on PATH; none found")
         started = time.perf_counter()
-        self.compiled_forward = torch.compile(self.decoder, dynamic=True)
+        warmups = []
         for n in (1, 2):
-            # a sequence of two tokens whose first has KV in block 0, which nothing owns yet at start-up
+            # sequences of two tokens whose first has KV in block 0, which nothing owns yet at start-up
             seqs = [Sequence(f"warmup-{i}", [0, 0], SamplingParams(max_tokens=1)) for i in range(n)]
             for seq in seqs:
                 seq.block_table, seq.num_computed_tokens = [0], 1
-            self.run([ScheduledSeq(seq, 1) for seq in seqs], [None] * n)
+            warmups.append([ScheduledSeq(seq, 1) for seq in seqs])
+        # an eager step first builds what layers build lazily (the rotary tables), so no graph is traced through
+        # that branch and later recompiled
+        self.run(warmups[0], [None])
+        self.compiled_forward = torch.compile(self.decoder, dynamic=True)
+        for scheduled in warmups:
+            self.run(scheduled, [None] * len(scheduled))
         self.compile_seconds = time.perf_counter() - started
         log.info("decode step compiled in %.1fs", self.compile_seconds)
 
