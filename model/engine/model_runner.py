@@ -13,7 +13,7 @@ from model.batch import Batch
 from model.config import ModelConfig
 from model.decoder import Decoder
 from model.engine.scheduler import ScheduledSeq
-from model.engine.sequence import Sequence, SamplingParams
+from model.engine.sequence import SamplingParams, Sequence
 from model.layers.attention import compiled_step, flash_attn_usable
 from model.layers.linear import onednn_usable, pack_linears
 from model.layers.quantization import quantize
