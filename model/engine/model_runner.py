@@ -78,27 +78,33 @@ class ModelRunner:
             self._compile()
 
     def _compile(self) -> None:
-        """Compile the decode-only forward and warm it up here, at start-up: one graph for a single stream (torch
-        specializes size 1) and one for any larger batch. Steps with prompt tokens stay eager: they are bound by
-        the matmuls, where the compiler saves nothing."""
+        """Compile the decode-only forward and trace it here, at start-up. Steps with prompt tokens stay eager: they
+        are bound by the matmuls, where the compiler saves nothing."""
         if self.device.type != "cpu":
             raise ValueError("--torch-compile is measured and tested on CPU only; on CUDA leave it off")
         if shutil.which("cc") is None and shutil.which("gcc") is None:
             raise ValueError("--torch-compile needs a C++ compiler (cc or gcc) on PATH; none found")
         started = time.perf_counter()
-        warmups = []
-        for n in (1, 2):
+
+        def decode_rows(n: int) -> list[ScheduledSeq]:
             # sequences of two tokens whose first has KV in block 0, which nothing owns yet at start-up
             seqs = [Sequence(f"warmup-{i}", [0, 0], SamplingParams(max_tokens=1)) for i in range(n)]
             for seq in seqs:
                 seq.block_table, seq.num_computed_tokens = [0], 1
-            warmups.append([ScheduledSeq(seq, 1) for seq in seqs])
-        # an eager step first builds what layers build lazily (the rotary tables), so no graph is traced through
-        # that branch and later recompiled
-        self.run(warmups[0], [None])
+            return [ScheduledSeq(seq, 1) for seq in seqs]
+
+        # an eager step first builds what layers build lazily (the rotary tables), so the graph is not traced
+        # through that branch
+        self.run(decode_rows(1), [None])
         self.compiled_forward = torch.compile(self.decoder, dynamic=True)
-        for scheduled in warmups:
-            self.run(scheduled, [None] * len(scheduled))
+        with torch.inference_mode():
+            batch = self.prepare(decode_rows(2))
+            # the row count as an unbacked size: one graph then serves one stream too (a backed size is specialized
+            # to 1 apart, a second graph and as long again to compile)
+            for rows in (batch.input_ids, batch.positions, batch.logits_indices):
+                torch._dynamo.decorators.mark_unbacked(rows, 0)
+            with compiled_step(batch):
+                self.compiled_forward(batch)
         self.compile_seconds = time.perf_counter() - started
         log.info("decode step compiled in %.1fs", self.compile_seconds)
 
