@@ -37,6 +37,11 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
+def c_compiler_found() -> bool:
+    """Whether inductor can build its CPU kernels here (it calls the system C++ compiler)."""
+    return shutil.which("cc") is not None or shutil.which("gcc") is not None
+
+
 def build_decoder(
     path: Path, config: ModelConfig, max_positions: int, dtype: torch.dtype, device: torch.device,
     quantization: str = "none", prepack_weights: bool = True,
@@ -82,7 +87,7 @@ class ModelRunner:
         are bound by the matmuls, where the compiler saves nothing."""
         if self.device.type != "cpu":
             raise ValueError("--torch-compile is measured and tested on CPU only; on CUDA leave it off")
-        if shutil.which("cc") is None and shutil.which("gcc") is None:
+        if not c_compiler_found():
             raise ValueError("--torch-compile needs a C++ compiler (cc or gcc) on PATH; none found")
         started = time.perf_counter()
 
