@@ -44,7 +44,7 @@ def c_compiler_found() -> bool:
 
 def build_decoder(
     path: Path, config: ModelConfig, max_positions: int, dtype: torch.dtype, device: torch.device,
-    quantization: str = "none", prepack_weights: bool = True,
+    quantization: str = "none", prepack_weights: bool = True, keep_weights: bool = False,
 ) -> Decoder:
     """Allocate the decoder without random init, stream the checkpoint into it tensor by tensor, then give its
     linear layers their CPU form: quantized, or reordered once for oneDNN."""
@@ -55,7 +55,7 @@ def build_decoder(
             raise ValueError(f"--quantization {quantization} runs on CPU only; on {device.type} use --dtype bfloat16")
         quantize(decoder, quantization)
     elif prepack_weights and onednn_usable(device, dtype):
-        pack_linears(decoder)
+        pack_linears(decoder, keep_weights)
     return decoder.eval()
 
 
@@ -72,12 +72,13 @@ class ModelRunner:
         started = time.perf_counter()
         self.decoder = build_decoder(
             settings.model_path, self.config, self.max_model_len, self.dtype, self.device,
-            settings.quantization, settings.prepack_weights,
+            settings.quantization, settings.prepack_weights, keep_weights=settings.torch_compile,
         )
         self.load_seconds = time.perf_counter() - started
         self.sampler = Sampler()
         self.num_blocks = self._allocate_kv_cache(settings)
         self.compiled_forward: Callable[[Batch], torch.Tensor] | None = None
+        self.compiled_one_row: Callable[[Batch], torch.Tensor] | None = None
         self.compile_seconds = 0.0
         if settings.torch_compile:
             self._compile()
@@ -101,8 +102,14 @@ class ModelRunner:
         # an eager step first builds what layers build lazily (the rotary tables), so the graph is not traced
         # through that branch
         self.run(decode_rows(1), [None])
+        # One stream gets a graph of its own, LM head included, whose linears are GEMV loops (one_row_linear);
+        # its shapes are all static.
+        self.compiled_one_row = torch.compile(self._one_row_logits, dynamic=False)
         self.compiled_forward = torch.compile(self.decoder, dynamic=True)
         with torch.inference_mode():
+            batch = self.prepare(decode_rows(1))
+            with compiled_step(batch):
+                self.compiled_one_row(batch)
             batch = self.prepare(decode_rows(2))
             # the row count as an unbacked size: one graph then serves one stream too (a backed size is specialized
             # to 1 apart, a second graph and as long again to compile)
@@ -112,6 +119,9 @@ class ModelRunner:
                 self.compiled_forward(batch)
         self.compile_seconds = time.perf_counter() - started
         log.info("decode step compiled in %.1fs", self.compile_seconds)
+
+    def _one_row_logits(self, batch: Batch) -> torch.Tensor:
+        return self.decoder.compute_logits(self.decoder(batch))
 
     def _allocate_kv_cache(self, settings: Settings) -> int:
         c = self.config
@@ -196,15 +206,19 @@ class ModelRunner:
     def run(self, scheduled: list[ScheduledSeq], generators: list[torch.Generator | None]) -> SamplerOutput | None:
         """One forward over all scheduled tokens; sample one token for each row that reached its end."""
         batch = self.prepare(scheduled)
-        if self.compiled_forward is not None and batch.num_decode == batch.num_seqs:
-            with compiled_step(batch):
-                hidden = self.compiled_forward(batch)
-        else:
-            hidden = self.decoder(batch)
         rows = [s.seq for s in scheduled if s.samples]
-        if not rows:
-            return None
-        logits = self.decoder.compute_logits(hidden)
+        if self.compiled_one_row is not None and batch.num_seqs == batch.num_decode == 1:
+            with compiled_step(batch):
+                logits = self.compiled_one_row(batch)
+        else:
+            if self.compiled_forward is not None and batch.num_decode == batch.num_seqs:
+                with compiled_step(batch):
+                    hidden = self.compiled_forward(batch)
+            else:
+                hidden = self.decoder(batch)
+            if not rows:
+                return None
+            logits = self.decoder.compute_logits(hidden)
         sampling = SamplingBatch.build(
             [seq.params for seq in rows],
             [seq.prompt_token_ids for seq in rows],

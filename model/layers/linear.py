@@ -6,15 +6,31 @@ laid out for them ahead of time, read ~21 GB/s at one row and are about twice MK
 bfloat16 (bench/gemm_backends.py prints the comparison).
 
 The blocked weight is opaque to torch.compile, so a compiled forward calls each layer through the custom op
-`llmserve::packed_linear`, which names the layer by its index in a registry."""
+`llmserve::packed_linear`, which names the layer by its index in a registry.
+
+A compiled forward of one row does without oneDNN: `one_row_linear` is a multiply-and-sum that inductor turns into
+one GEMV loop reading the plain weight at 25-32 GB/s, against oneDNN's 16-21 at one row (bench/gemm_backends.py).
+Layers keep their plain weight for it only when asked (`keep_weight`, under --torch-compile)."""
 
 import weakref
 
 import torch
 from torch import nn
+from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 # oneDNN picks the blocked layout for this many rows; measured the same from 1 to 512 rows (bench/gemm_backends.py)
 BATCH_HINT = 16
+
+
+def one_row_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """[1, in] x [out, in] -> [1, out] in x's dtype, for compiled graphs only (eager, it would materialize the
+    product). An integer weight is converted inside the loop: a quantized GEMV reads its 1-byte weights."""
+    return (x.unsqueeze(-2) * weight.to(x.dtype)).sum(-1)
+
+
+def is_one_row(x: torch.Tensor) -> bool:
+    """True only in a graph traced for a single row; False in eager code and for a row count left symbolic."""
+    return torch.compiler.is_compiling() and guard_or_false(x.numel() == x.shape[-1])
 
 
 def onednn_usable(device: torch.device, dtype: torch.dtype) -> bool:
@@ -43,7 +59,7 @@ class PackedLinear(nn.Module):
     """`dtype`: the weights' and the matmul's type when it differs from the model's (a bfloat16 LM head beside
     int4 layers); inputs are cast to it and outputs back."""
 
-    def __init__(self, linear: nn.Linear, dtype: torch.dtype | None = None) -> None:
+    def __init__(self, linear: nn.Linear, dtype: torch.dtype | None = None, keep_weight: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.dtype = dtype or linear.weight.dtype
@@ -51,6 +67,8 @@ class PackedLinear(nn.Module):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach().to(self.dtype), BATCH_HINT)
         bias = None if linear.bias is None else linear.bias.detach().to(self.dtype).clone()
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        # the plain weight as well, for one_row_linear (a tied LM head's is the embedding: no copy)
+        self.weight = linear.weight.detach().to(self.dtype) if keep_weight else None
         self.index = len(_LAYERS)
         _LAYERS.append(weakref.ref(self))
 
@@ -61,6 +79,9 @@ class PackedLinear(nn.Module):
         return y.to(x.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight is not None and is_one_row(x):
+            y = one_row_linear(x.to(self.dtype), self.weight).to(x.dtype)
+            return y if self.bias is None else y + self.bias.to(x.dtype)
         if torch.compiler.is_compiling():
             return packed_linear(x, self.index)
         return self.matmul(x)
@@ -69,11 +90,11 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, oneDNN-packed {self.dtype}"
 
 
-def pack_linears(module: nn.Module) -> None:
+def pack_linears(module: nn.Module, keep_weights: bool = False) -> None:
     """Replace every nn.Linear below `module` (the LM head included) with a PackedLinear, in place. A tied LM head
     gets its own packed copy; the embedding keeps the plain one."""
     for name, child in list(module.named_children()):
         if isinstance(child, nn.Linear):
-            setattr(module, name, PackedLinear(child))
+            setattr(module, name, PackedLinear(child, keep_weight=keep_weights))
         else:
-            pack_linears(child)
+            pack_linears(child, keep_weights)

@@ -6,7 +6,7 @@ and float16 they are 20-100x slower here."""
 import torch
 from torch import nn
 
-from model.layers.linear import PackedLinear, onednn_usable
+from model.layers.linear import PackedLinear, is_one_row, one_row_linear, onednn_usable
 
 # int4 group: 32 input columns share a scale and a zero, as in GGUF's Q4_0/Q4_1 and the sub-blocks of Q4_K
 INT4_GROUP = 32
@@ -41,6 +41,13 @@ class Int8Linear(WeightOnlyLinear):
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         return torch._weight_int8pack_mm(x, self.weight, self.scales)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if is_one_row(x):  # a GEMV over the int8 bytes, dequantized in the loop, in the activations' dtype
+            y = one_row_linear(x.reshape(1, -1), self.weight) * self.scales.to(x.dtype)
+            y = y.reshape(*x.shape[:-1], self.out_features)
+            return y if self.bias is None else y + self.bias
+        return super().forward(x)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-channel"

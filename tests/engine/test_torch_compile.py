@@ -1,6 +1,8 @@
-"""--torch-compile: the compiled decode step gives the eager step's logits and greedy tokens, through the custom ops
-that keep oneDNN-packed weights and the paged KV pool outside the graph."""
+"""--torch-compile: the compiled decode steps give the eager step's logits and greedy tokens: the batched graph, through
+the custom ops that keep oneDNN-packed weights and the paged KV pool outside it, and the one-row graph, whose linears
+are GEMV loops over the plain weights."""
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -9,6 +11,7 @@ import torch
 from config import Settings
 from model.engine.engine import Engine
 from model.engine.model_runner import c_compiler_found
+from model.batch import Batch
 from model.layers.attention import compiled_step
 from tests.engine.drive import greedy, run
 from tests.model.families import build_hf, make_tokenizer, prompts, save_hf
@@ -30,16 +33,18 @@ def engine(folder: Path, **overrides: object) -> Engine:
 def test_compiled_decode_steps_give_eager_tokens(mistral_folder: Path) -> None:
     compiled = engine(mistral_folder, torch_compile=True)
     runner = compiled.runner
-    assert runner.compiled_forward is not None and runner.compile_seconds > 0
-    calls = 0
-    forward = runner.compiled_forward
+    assert runner.compiled_forward is not None and runner.compiled_one_row is not None and runner.compile_seconds > 0
+    calls = {"batched": 0, "one_row": 0}
 
-    def counting(batch: object) -> torch.Tensor:
-        nonlocal calls
-        calls += 1
-        return forward(batch)
+    def counting(kind: str, graph: Callable[[Batch], torch.Tensor]) -> Callable[[Batch], torch.Tensor]:
+        def call(batch: Batch) -> torch.Tensor:
+            calls[kind] += 1
+            return graph(batch)
 
-    runner.compiled_forward = counting
+        return call
+
+    runner.compiled_forward = counting("batched", runner.compiled_forward)
+    runner.compiled_one_row = counting("one_row", runner.compiled_one_row)
     # staggered arrivals: single-stream steps, batched steps, and prompt steps (eager) between them; 40 tokens cross
     # the window of 16 and two KV blocks
     requests = {f"r{i}": (p, greedy(40)) for i, p in enumerate(prompts(lengths=(5, 23, 50, 9)))}
@@ -48,20 +53,22 @@ def test_compiled_decode_steps_give_eager_tokens(mistral_folder: Path) -> None:
         got = run(compiled, requests, arrivals)
     want = run(engine(mistral_folder), requests, arrivals)
     assert got == want
-    assert calls > 40  # most steps were decode-only and went through the compiled forward
+    # most steps were decode-only and went through a compiled graph: one row alone at the start and at the end
+    assert calls["batched"] > 30 and calls["one_row"] > 10, calls
     assert compiled.block_manager.num_used == 0
 
 
-def test_compiled_logits_match_eager_on_a_decode_batch(mistral_folder: Path) -> None:
+@pytest.mark.parametrize("rows", [3, 1])
+def test_compiled_logits_match_eager_on_a_decode_batch(mistral_folder: Path, rows: int) -> None:
     e = engine(mistral_folder, torch_compile=True)
-    requests = {f"r{i}": (p, greedy(3)) for i, p in enumerate(prompts(lengths=(5, 23, 50)))}
+    requests = {f"r{i}": (p, greedy(3)) for i, p in enumerate(prompts(lengths=(5, 23, 50)[:rows]))}
     for rid, (ids, params) in requests.items():
         e.add_request(rid, ids, params)
     e._drain_inbox(block=False)
     while any(s.num_computed_tokens < s.num_prompt_tokens for s in e.scheduler.running) or not e.scheduler.running:
         e.step()
     scheduled = e.scheduler.schedule().scheduled
-    assert len(scheduled) == 3 and all(s.num_tokens == 1 for s in scheduled)
+    assert len(scheduled) == rows and all(s.num_tokens == 1 for s in scheduled)
     runner = e.runner
     with torch.inference_mode():
         eager = runner.decoder.compute_logits(runner.decoder(runner.prepare(scheduled)))
@@ -69,5 +76,9 @@ def test_compiled_logits_match_eager_on_a_decode_batch(mistral_folder: Path) -> 
         # and a graph would be traced anew for that
         batch = runner.prepare(scheduled)
         with torch.compiler.set_stance("fail_on_recompile"), compiled_step(batch):
-            compiled = runner.decoder.compute_logits(runner.compiled_forward(batch))
+            if rows == 1:
+                assert runner.compiled_one_row is not None
+                compiled = runner.compiled_one_row(batch)
+            else:
+                compiled = runner.decoder.compute_logits(runner.compiled_forward(batch))
     torch.testing.assert_close(compiled, eager, atol=1e-4, rtol=1e-4)
