@@ -92,22 +92,27 @@ class ModelRunner:
             raise ValueError("--torch-compile needs a C++ compiler (cc or gcc) on PATH; none found")
         started = time.perf_counter()
 
-        def decode_rows(n: int) -> list[ScheduledSeq]:
-            # sequences of two tokens whose first has KV in block 0, which nothing owns yet at start-up
-            seqs = [Sequence(f"warmup-{i}", [0, 0], SamplingParams(max_tokens=1)) for i in range(n)]
+        def decode_rows(n: int, blocks: int = 1) -> list[ScheduledSeq]:
+            # sequences whose last token is new and whose context lies in block 0 (every entry of the block table),
+            # which nothing owns yet at start-up
+            length = (blocks - 1) * self.block_size + 2
+            seqs = [Sequence(f"warmup-{i}", [0] * length, SamplingParams(max_tokens=1)) for i in range(n)]
             for seq in seqs:
-                seq.block_table, seq.num_computed_tokens = [0], 1
+                seq.block_table, seq.num_computed_tokens = [0] * blocks, length - 1
             return [ScheduledSeq(seq, 1) for seq in seqs]
 
         # an eager step first builds what layers build lazily (the rotary tables), so the graph is not traced
         # through that branch
         self.run(decode_rows(1), [None])
-        # One stream gets a graph of its own, LM head included, whose linears are GEMV loops (one_row_linear);
-        # its shapes are all static.
+        # One stream gets a graph of its own, LM head included, whose linears are GEMV loops (one_row_linear) and
+        # whose attention reads the block table in its loops; only the number of blocks varies.
         self.compiled_one_row = torch.compile(self._one_row_logits, dynamic=False)
         self.compiled_forward = torch.compile(self.decoder, dynamic=True)
         with torch.inference_mode():
-            batch = self.prepare(decode_rows(1))
+            batch = self.prepare(decode_rows(1, blocks=2))
+            assert batch.decode_block_ids is not None
+            # unbacked: a backed size would be specialized at 1 and guarded to a range by inductor's reductions
+            torch._dynamo.decorators.mark_unbacked(batch.decode_block_ids, 0)
             with compiled_step(batch):
                 self.compiled_one_row(batch)
             batch = self.prepare(decode_rows(2))
@@ -131,17 +136,14 @@ class ModelRunner:
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = int(free * settings.gpu_memory_utilization)
         num_blocks = max(1, budget // per_block)
-        # [2, layers, blocks, block_size, kv_heads, head_dim]: flash-attn's paged layout per layer
-        self.kv_cache = torch.zeros(
-            2, c.num_layers, num_blocks, self.block_size, c.num_kv_heads, c.head_dim, dtype=self.dtype, device=self.device
-        )
+        shape = (num_blocks, self.block_size, c.num_kv_heads, c.head_dim)  # flash-attn's paged layout
         # flash-attn's paged kernel takes pages of a multiple of 256 tokens and 16-bit inputs
         use_flash = flash_attn_usable(self.device) and self.dtype != torch.float32 and self.block_size % 256 == 0
         if flash_attn_usable(self.device) and not use_flash:
             log.warning("flash-attn unused: it needs --block-size a multiple of 256 and a 16-bit --dtype")
-        for i, layer in enumerate(self.decoder.layers):
-            layer.self_attn.attn.k_cache = self.kv_cache[0, i]
-            layer.self_attn.attn.v_cache = self.kv_cache[1, i]
+        for layer in self.decoder.layers:
+            layer.self_attn.attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            layer.self_attn.attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
             layer.self_attn.attn.use_flash = use_flash
         return num_blocks
 

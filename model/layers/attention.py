@@ -2,8 +2,10 @@
 the context through `block_tables`. Two backends: flash-attn's paged varlen kernel on CUDA, and an exact torch
 path (scaled_dot_product_attention) everywhere else.
 
-torch.compile sees each layer's attention as one opaque custom op, `llmserve::paged_attention`: the cache writes
-are in-place updates of a pool the graph does not own, and the torch path loops over host-side lists."""
+torch.compile sees each layer's attention as one opaque custom op, `llmserve::paged_attention`, in the graph for
+many rows: the torch path loops over host-side lists. The graph for one row holds the attention itself
+(`_one_row`): the cache write as an index_put_ on the layer's own pool, which inductor keeps in place, and the
+read through the block table inside its loops, with no gathered copy and no Python between them."""
 
 import threading
 import weakref
@@ -15,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model.batch import Batch
+from model.layers.linear import is_one_row
 
 try:  # optional GPU extra
     from flash_attn import flash_attn_varlen_func  # type: ignore[import-not-found]
@@ -63,13 +66,16 @@ class PagedAttention(nn.Module):
         self.scale = scale
         self.window = window  # attend to the last `window` tokens, this one included; None = all
         # [num_blocks, block_size, num_kv_heads, head_dim] each; set by the ModelRunner once the pool is allocated.
-        self.k_cache = torch.empty(0)
-        self.v_cache = torch.empty(0)
+        # Buffers, one allocation each: a compiled graph updates them in place only if they alias nothing.
+        self.register_buffer("k_cache", torch.empty(0), persistent=False)
+        self.register_buffer("v_cache", torch.empty(0), persistent=False)
         self.use_flash = False
         self.index = len(_LAYERS)
         _LAYERS.append(weakref.ref(self))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Batch) -> torch.Tensor:
+        if is_one_row(q) and not self.use_flash:
+            return self._one_row(q, k, v, batch)
         if torch.compiler.is_compiling():
             return paged_attention(q, k, v, self.index)
         return self.attend(q, k, v, batch)
@@ -138,6 +144,26 @@ class PagedAttention(nn.Module):
             attn_mask=mask, scale=self.scale,
         )  # [B, KVH, G, D]
         return o.reshape(nd, self.num_heads, self.head_dim)
+
+    def _one_row(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Batch) -> torch.Tensor:
+        # traced only: one decode row, q [1, H, D]; products and sums in float32 whatever the cache's dtype
+        block_size = self.k_cache.shape[1]
+        block, offset = batch.slot_mapping // block_size, batch.slot_mapping % block_size
+        self.k_cache.index_put_((block, offset), k)
+        self.v_cache.index_put_((block, offset), v)
+        assert batch.decode_block_ids is not None
+        keys = self.k_cache[batch.decode_block_ids].flatten(0, 1).transpose(0, 1)[:, None]  # [KVH, 1, S, D]
+        values = self.v_cache[batch.decode_block_ids].flatten(0, 1).transpose(0, 1)[:, None]
+        pos = torch.arange(keys.shape[2], device=q.device)
+        visible = pos <= batch.positions  # keys up to this token's position
+        if self.window is not None:
+            visible &= pos > batch.positions - self.window
+        groups = self.num_heads // self.num_kv_heads
+        queries = q.view(self.num_kv_heads, groups, 1, self.head_dim).float()
+        scores = (queries * keys.float()).sum(-1) * self.scale  # [KVH, G, S]
+        probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+        out = (probs[..., None] * values.float()).sum(-2)  # [KVH, G, D]
+        return out.reshape(1, self.num_heads, self.head_dim).to(q.dtype)
 
     def _window_mask(self, batch: Batch) -> torch.Tensor:
         assert self.window is not None and batch.decode_mask is not None

@@ -29,8 +29,9 @@ def one_row_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def is_one_row(x: torch.Tensor) -> bool:
-    """True only in a graph traced for a single row; False in eager code and for a row count left symbolic."""
-    return torch.compiler.is_compiling() and guard_or_false(x.numel() == x.shape[-1])
+    """True only in a graph traced for a single row (x: [1, ...]); False in eager code and for a row count left
+    symbolic."""
+    return torch.compiler.is_compiling() and guard_or_false(x.shape[0] == 1)
 
 
 def onednn_usable(device: torch.device, dtype: torch.dtype) -> bool:
