@@ -14,7 +14,7 @@ from model.config import ModelConfig
 from model.decoder import Decoder
 from model.engine.scheduler import ScheduledSeq
 from model.engine.sequence import SamplingParams, Sequence
-from model.layers.attention import compiled_step, flash_attn_usable
+from model.layers.attention import flash_attn_usable
 from model.layers.linear import onednn_usable, pack_linears
 from model.layers.quantization import quantize
 from model.layers.sampler import Sampler, SamplerOutput, SamplingBatch
@@ -110,18 +110,17 @@ class ModelRunner:
         self.compiled_forward = torch.compile(self.decoder, dynamic=True)
         with torch.inference_mode():
             batch = self.prepare(decode_rows(1, blocks=2))
-            assert batch.decode_block_ids is not None
-            # unbacked: a backed size would be specialized at 1 and guarded to a range by inductor's reductions
-            torch._dynamo.decorators.mark_unbacked(batch.decode_block_ids, 0)
-            with compiled_step(batch):
-                self.compiled_one_row(batch)
+            # the number of blocks as an unbacked size: a backed one would be specialized at 1, and guarded to a
+            # range by inductor's reductions
+            torch._dynamo.decorators.mark_unbacked(batch.block_tables, 1)
+            self.compiled_one_row(batch)
             batch = self.prepare(decode_rows(2))
             # the row count as an unbacked size: one graph then serves one stream too (a backed size is specialized
             # to 1 apart, a second graph and as long again to compile)
-            for rows in (batch.input_ids, batch.positions, batch.logits_indices):
+            for rows in (batch.input_ids, batch.positions, batch.logits_indices, batch.slot_mapping, batch.block_tables):
                 torch._dynamo.decorators.mark_unbacked(rows, 0)
-            with compiled_step(batch):
-                self.compiled_forward(batch)
+            torch._dynamo.decorators.mark_unbacked(batch.block_tables, 1)
+            self.compiled_forward(batch)
         self.compile_seconds = time.perf_counter() - started
         log.info("decode step compiled in %.1fs", self.compile_seconds)
 
@@ -210,12 +209,10 @@ class ModelRunner:
         batch = self.prepare(scheduled)
         rows = [s.seq for s in scheduled if s.samples]
         if self.compiled_one_row is not None and batch.num_seqs == batch.num_decode == 1:
-            with compiled_step(batch):
-                logits = self.compiled_one_row(batch)
+            logits = self.compiled_one_row(batch)
         else:
             if self.compiled_forward is not None and batch.num_decode == batch.num_seqs:
-                with compiled_step(batch):
-                    hidden = self.compiled_forward(batch)
+                hidden = self.compiled_forward(batch)
             else:
                 hidden = self.decoder(batch)
             if not rows:

@@ -2,22 +2,15 @@
 the context through `block_tables`. Two backends: flash-attn's paged varlen kernel on CUDA, and an exact torch
 path (scaled_dot_product_attention) everywhere else.
 
-torch.compile sees each layer's attention as one opaque custom op, `llmserve::paged_attention`, in the graph for
-many rows: the torch path loops over host-side lists. The graph for one row holds the attention itself
-(`_one_row`): the cache write as an index_put_ on the layer's own pool, which inductor keeps in place, and the
-read through the block table inside its loops, with no gathered copy and no Python between them."""
-
-import threading
-import weakref
-from collections.abc import Iterator
-from contextlib import contextmanager
+Under torch.compile (decode-only steps) the attention is traced into the graph instead (`_traced_decode`): the cache
+write as an index_put_ on the layer's own pool buffer, which inductor keeps in place, and keys and values read
+through the block table inside its loops, with no gathered copy and no Python between layers."""
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from model.batch import Batch
-from model.layers.linear import is_one_row
 
 try:  # optional GPU extra
     from flash_attn import flash_attn_varlen_func  # type: ignore[import-not-found]
@@ -27,34 +20,6 @@ except ImportError:
 
 def flash_attn_usable(device: torch.device) -> bool:
     return flash_attn_varlen_func is not None and device.type == "cuda"
-
-
-# index -> layer; weak, so dropped decoders free their KV pools
-_LAYERS: list[weakref.ref["PagedAttention"]] = []
-# The Batch (host lists and ints besides tensors) cannot be an argument of the custom op: the ModelRunner sets it
-# for the compiled step and the op reads it back here, as vLLM's forward context does.
-_step = threading.local()
-
-
-@contextmanager
-def compiled_step(batch: Batch) -> Iterator[None]:
-    _step.batch = batch
-    try:
-        yield
-    finally:
-        _step.batch = None
-
-
-@torch.library.custom_op("llmserve::paged_attention", mutates_args=())
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: int) -> torch.Tensor:
-    layer = _LAYERS[index]()
-    assert layer is not None and _step.batch is not None, "paged_attention runs inside compiled_step(batch)"
-    return layer.attend(q, k, v, _step.batch)
-
-
-@paged_attention.register_fake
-def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: int) -> torch.Tensor:
-    return q.new_empty(q.shape)
 
 
 class PagedAttention(nn.Module):
@@ -70,18 +35,11 @@ class PagedAttention(nn.Module):
         self.register_buffer("k_cache", torch.empty(0), persistent=False)
         self.register_buffer("v_cache", torch.empty(0), persistent=False)
         self.use_flash = False
-        self.index = len(_LAYERS)
-        _LAYERS.append(weakref.ref(self))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Batch) -> torch.Tensor:
-        if is_one_row(q) and not self.use_flash:
-            return self._one_row(q, k, v, batch)
-        if torch.compiler.is_compiling():
-            return paged_attention(q, k, v, self.index)
-        return self.attend(q, k, v, batch)
-
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Batch) -> torch.Tensor:
-        # q: [T, H, D], k/v: [T, KVH, D] -> [T, H, D], a new tensor (a custom op's output may not alias its inputs)
+        # q: [T, H, D], k/v: [T, KVH, D] -> [T, H, D]
+        if torch.compiler.is_compiling():  # compiled graphs run decode-only steps
+            return self._traced_decode(q, k, v, batch)
         if self.k_cache.numel():
             self.k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, batch.slot_mapping, k)
             self.v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, batch.slot_mapping, v)
@@ -145,25 +103,28 @@ class PagedAttention(nn.Module):
         )  # [B, KVH, G, D]
         return o.reshape(nd, self.num_heads, self.head_dim)
 
-    def _one_row(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Batch) -> torch.Tensor:
-        # traced only: one decode row, q [1, H, D]; products and sums in float32 whatever the cache's dtype
+    def _traced_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Batch) -> torch.Tensor:
+        # traced only: decode rows, q [B, H, D]; products and sums in float32 whatever the cache's dtype
         block_size = self.k_cache.shape[1]
         block, offset = batch.slot_mapping // block_size, batch.slot_mapping % block_size
         self.k_cache.index_put_((block, offset), k)
         self.v_cache.index_put_((block, offset), v)
-        assert batch.decode_block_ids is not None
-        keys = self.k_cache[batch.decode_block_ids].flatten(0, 1).transpose(0, 1)[:, None]  # [KVH, 1, S, D]
-        values = self.v_cache[batch.decode_block_ids].flatten(0, 1).transpose(0, 1)[:, None]
-        pos = torch.arange(keys.shape[2], device=q.device)
-        visible = pos <= batch.positions  # keys up to this token's position
+        tables = batch.block_tables.clamp(min=0).long()  # [B, blocks], -1 padding read as block 0 and masked
+        torch._check(tables.shape[0] == q.shape[0])
+        rows = q.shape[0]
+        keys = self.k_cache[tables].flatten(1, 2).permute(0, 2, 1, 3)[:, :, None]  # [B, KVH, 1, S, D]
+        values = self.v_cache[tables].flatten(1, 2).permute(0, 2, 1, 3)[:, :, None]
+        pos = torch.arange(keys.shape[3], device=q.device)
+        last = batch.positions[:, None]  # [B, 1]: each row's own position
+        visible = pos <= last
         if self.window is not None:
-            visible &= pos > batch.positions - self.window
+            visible &= pos > last - self.window
         groups = self.num_heads // self.num_kv_heads
-        queries = q.view(self.num_kv_heads, groups, 1, self.head_dim).float()
-        scores = (queries * keys.float()).sum(-1) * self.scale  # [KVH, G, S]
-        probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
-        out = (probs[..., None] * values.float()).sum(-2)  # [KVH, G, D]
-        return out.reshape(1, self.num_heads, self.head_dim).to(q.dtype)
+        queries = q.view(rows, self.num_kv_heads, groups, 1, self.head_dim).float()
+        scores = (queries * keys.float()).sum(-1) * self.scale  # [B, KVH, G, S]
+        probs = scores.masked_fill(~visible[:, None, None], float("-inf")).softmax(-1)
+        out = (probs[..., None] * values.float()).sum(-2)  # [B, KVH, G, D]
+        return out.reshape(rows, self.num_heads, self.head_dim).to(q.dtype)
 
     def _window_mask(self, batch: Batch) -> torch.Tensor:
         assert self.window is not None and batch.decode_mask is not None

@@ -12,7 +12,6 @@ from config import Settings
 from model.engine.engine import Engine
 from model.engine.model_runner import c_compiler_found
 from model.batch import Batch
-from model.layers.attention import compiled_step
 from tests.engine.drive import greedy, run
 from tests.model.families import build_hf, make_tokenizer, prompts, save_hf
 
@@ -75,7 +74,7 @@ def test_compiled_logits_match_eager_on_a_decode_batch(mistral_folder: Path, row
         # a batch of its own, as every served step has: the eager forward filled the first one's rotary lookups,
         # and a graph would be traced anew for that
         batch = runner.prepare(scheduled)
-        with torch.compiler.set_stance("fail_on_recompile"), compiled_step(batch):
+        with torch.compiler.set_stance("fail_on_recompile"):
             if rows == 1:
                 assert runner.compiled_one_row is not None
                 compiled = runner.compiled_one_row(batch)
