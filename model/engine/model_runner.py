@@ -115,8 +115,7 @@ class ModelRunner:
             torch._dynamo.decorators.mark_unbacked(batch.block_tables, 1)
             self.compiled_one_row(batch)
             batch = self.prepare(decode_rows(2))
-            # the row count as an unbacked size: one graph then serves one stream too (a backed size is specialized
-            # to 1 apart, a second graph and as long again to compile)
+            # the row count and the number of blocks as unbacked sizes: one graph serves every batch of two or more
             for rows in (batch.input_ids, batch.positions, batch.logits_indices, batch.slot_mapping, batch.block_tables):
                 torch._dynamo.decorators.mark_unbacked(rows, 0)
             torch._dynamo.decorators.mark_unbacked(batch.block_tables, 1)
