@@ -22,9 +22,25 @@ from torch.fx.experimental.symbolic_shapes import guard_or_false
 BATCH_HINT = 16
 
 
+@torch.library.custom_op("llmserve::materialize", mutates_args=())
+def materialize(x: torch.Tensor) -> torch.Tensor:
+    """A copy the compiler cannot see through, so x becomes a buffer of its own."""
+    return x.clone()
+
+
+@materialize.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
 def one_row_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """[1, in] x [out, in] -> [1, out] in x's dtype, for compiled graphs only (eager, it would materialize the
     product). An integer weight is converted inside the loop: a quantized GEMV reads its 1-byte weights."""
+    if weight.dtype != torch.float32:
+        # Inductor would inline x's producer (RMSNorm, residual add) into the loop, recomputing it for every output
+        # row. Free while float32 weights keep the loop waiting on memory; int8 and bfloat16 loops are bound by
+        # their conversions, and a buffer takes an int8 step from 12.5 to 8.1 ms, a bfloat16 one from 18.0 to 11.5.
+        x = materialize(x)
     return (x.unsqueeze(-2) * weight.to(x.dtype)).sum(-1)
 
 
