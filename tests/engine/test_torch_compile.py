@@ -1,6 +1,6 @@
-"""--torch-compile: the compiled decode steps give the eager step's logits and greedy tokens: the batched graph, through
-the custom ops that keep oneDNN-packed weights and the paged KV pool outside it, and the one-row graph, whose linears
-are GEMV loops over the plain weights."""
+"""--torch-compile: the compiled decode steps give the eager step's logits and greedy tokens: the batched graph, whose
+oneDNN-packed linears are a custom op, and the one-row graph, whose linears are GEMV loops over the plain weights;
+both trace the paged attention, cache writes included."""
 
 from collections.abc import Callable
 from pathlib import Path
