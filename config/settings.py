@@ -33,6 +33,11 @@ class Settings(BaseSettings):
     max_num_batched_tokens: int = Field(256, description="most tokens (prefill + decode) in one step; smaller keeps running streams flowing during long prompts")
     enable_prefix_caching: bool = Field(True, description="reuse KV blocks of earlier prompts with the same prefix")
 
+    # Structured output and tools
+    grammar_cache_size: int = Field(256, description="compiled grammars (JSON schemas, regexes, tool sets) kept, least recently used evicted")
+    tool_call_parser: Literal["auto", "hermes", "llama3_json", "mistral"] = Field(
+        "auto", description="tool-call format: auto = the chat template's own, else hermes (<tool_call> tags)")
+
     # Server
     host: str = Field("127.0.0.1", description="address to bind")
     port: int = Field(8000, description="port to bind")

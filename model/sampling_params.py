@@ -1,6 +1,10 @@
 """Per-request decoding parameters and per-token logprobs: plain dataclasses shared by the sampler and the engine."""
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from model.structured_output import Constraint
 
 
 @dataclass(slots=True)
@@ -21,6 +25,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None = no logprobs; k = sampled token's logprob plus the top k
+    constraint: "Constraint | None" = None  # a compiled grammar the output must match (structured output, tools)
 
     def __post_init__(self) -> None:
         # Ranges of the OpenAI API (and vLLM's extras); the message names the parameter so the server can 400 on it.

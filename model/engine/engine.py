@@ -17,6 +17,7 @@ from model.engine.block_manager import BlockManager
 from model.engine.model_runner import ModelRunner
 from model.engine.scheduler import Scheduler, SchedulerOutput
 from model.engine.sequence import SamplingParams, Sequence, StepOutput
+from model.structured_output import GrammarCache, new_matcher, tokenizer_info
 from model.tokenizer import Tokenizer
 
 log = logging.getLogger("llmserve.engine")
@@ -52,6 +53,10 @@ class Engine:
         self.tokenizer = tokenizer or Tokenizer.load(settings.model_path, settings.chat_template)
         self.runner = ModelRunner(settings, sorted(self.tokenizer.eos_token_ids))
         self.eos_token_ids = set(self.runner.eos_token_ids)  # one list for stopping and for min_tokens masking
+        self.grammars = GrammarCache(
+            tokenizer_info(self.tokenizer.hf, self.runner.config.vocab_size, self.runner.eos_token_ids),
+            settings.grammar_cache_size,
+        )
         self.max_model_len = self.runner.max_model_len
         self.block_manager = BlockManager(self.runner.num_blocks, settings.block_size, settings.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, settings.max_num_seqs, settings.max_num_batched_tokens)
@@ -171,6 +176,8 @@ class Engine:
 
     def _add(self, seq: Sequence) -> None:
         self._sequences[seq.request_id] = seq
+        if seq.params.constraint is not None:
+            seq.matcher = new_matcher(seq.params.constraint)
         if seq.params.seed is not None:
             self._generators[seq.request_id] = torch.Generator(device=self.runner.device).manual_seed(seq.params.seed)
         self.prompt_tokens_total += seq.num_prompt_tokens
@@ -213,6 +220,12 @@ class Engine:
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params
+        if seq.matcher is not None:
+            if not seq.matcher.accept_token(token):  # the bitmask allowed only tokens the matcher accepts
+                log.error("request %s: grammar rejected sampled token %d; finishing it", seq.request_id, token)
+                return "stop"
+            if seq.matcher.is_terminated():  # the grammar is complete and its stop token was sampled
+                return "stop"
         if seq.num_output_tokens >= p.min_tokens:
             if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
                 return "stop"

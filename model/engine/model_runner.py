@@ -7,6 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import xgrammar
 
 from config import Settings
 from model.batch import Batch
@@ -226,4 +227,10 @@ class ModelRunner:
             self.config.vocab_size,
             self.device,
         )
+        constrained = [i for i, seq in enumerate(rows) if seq.matcher is not None]
+        if constrained:
+            bitmask = xgrammar.allocate_token_bitmask(len(rows), self.config.vocab_size)  # all allowed
+            for i in constrained:
+                rows[i].matcher.fill_next_token_bitmask(bitmask, i)  # type: ignore[union-attr]
+            sampling.token_bitmask = (bitmask.to(self.device, non_blocking=True), constrained)
         return self.sampler(logits, sampling)

@@ -4,8 +4,12 @@ import enum
 import time
 from dataclasses import dataclass
 from itertools import count
+from typing import TYPE_CHECKING
 
 from model.sampling_params import SamplingParams, TokenLogprob
+
+if TYPE_CHECKING:
+    import xgrammar
 
 __all__ = ["SamplingParams", "TokenLogprob", "StepOutput", "Sequence", "SequenceStatus"]
 
@@ -48,6 +52,9 @@ class Sequence:
         self.finish_reason: str | None = None
         self.arrival_time = time.monotonic()
         self.first_scheduled_time: float | None = None
+        # Advanced with every sampled token. A preempted sequence keeps its output tokens and recomputes their KV,
+        # so its matcher stays in step with them and never needs a rollback.
+        self.matcher: "xgrammar.GrammarMatcher | None" = None
 
     def __len__(self) -> int:
         return len(self.token_ids)

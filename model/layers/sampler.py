@@ -1,7 +1,8 @@
 """Batched sampling on a [B, V] logits tensor. Per-row parameters arrive as tensors (SamplingBatch); the sampler
 knows no Sequence.
 
-Order (vLLM's): logit_bias -> repetition penalty -> presence/frequency penalties -> min_tokens mask -> greedy argmax
+Order (vLLM's): logit_bias -> repetition penalty -> presence/frequency penalties -> min_tokens mask -> grammar
+bitmask (structured output) -> greedy argmax
 or temperature -> min_p -> top_k -> top_p (each on the distribution the previous steps left) -> one inverse-CDF draw.
 Logprobs come from log_softmax of the raw logits, before any of that (vLLM's default "raw" logprobs).
 
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+import xgrammar
 from torch import nn
 
 from model.sampling_params import SamplingParams, TokenLogprob
@@ -50,6 +52,8 @@ class SamplingBatch:
     seen: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, ids) [M]: in prompt or output, repetition rows only
     repetition: torch.Tensor | None = None  # [B] float32
     logprobs: list[int | None] | None = None  # per row: None or how many top alternatives; None when no row asks
+    # Grammar constraints: xgrammar's packed bitmask [R, ceil(V / 32)] int32 of allowed ids, for batch rows `rows`.
+    token_bitmask: tuple[torch.Tensor, list[int]] | None = None
 
     @classmethod
     def build(
@@ -89,10 +93,11 @@ class SamplingBatch:
             batch.logit_bias = (tensor(bias_rows, torch.int64), tensor(bias_ids, torch.int64), tensor(bias_values, torch.float32))
 
         # min_tokens: the row may not end yet, so every id that would end it is banned (ignore_eos does not matter).
+        # A constrained row ends where its grammar does: banning the end there would leave it no token at all.
         banned = [
             (i, t)
             for i, (p, out) in enumerate(zip(params, output_token_ids))
-            if len(out) < p.min_tokens
+            if len(out) < p.min_tokens and p.constraint is None
             for t in {*eos_token_ids, *p.stop_token_ids}
             if 0 <= t < vocab_size
         ]
@@ -147,8 +152,10 @@ class Sampler(nn.Module):
 
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """logit_bias, repetition (HF), presence/frequency (OpenAI), min_tokens bans: sparse edits of a [B, V] copy."""
-    if batch.logit_bias is None and batch.seen is None and batch.counted is None and batch.banned is None:
+    """logit_bias, repetition (HF), presence/frequency (OpenAI), min_tokens bans, grammar bitmask: edits of a [B, V]
+    copy."""
+    if (batch.logit_bias is None and batch.seen is None and batch.counted is None and batch.banned is None
+            and batch.token_bitmask is None):
         return logits
     logits = logits.clone()
     if batch.logit_bias is not None:
@@ -163,6 +170,9 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         logits.index_put_((rows, ids), -penalty, accumulate=True)
     if batch.banned is not None:
         logits.index_put_(batch.banned, torch.tensor(float("-inf"), device=logits.device))
+    if batch.token_bitmask is not None:  # disallowed ids -> -inf, in place, on the masked rows only
+        bitmask, rows = batch.token_bitmask
+        xgrammar.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1], indices=rows)
     return logits
 
 
