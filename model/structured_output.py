@@ -132,13 +132,20 @@ class GrammarCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def compile(self, spec: GrammarSpec) -> Constraint:
+    def lookup(self, spec: GrammarSpec) -> Constraint | None:
+        """The compiled grammar if cached (a hit), else None; never compiles."""
         with self._lock:
             compiled = self._entries.get(spec)
-            if compiled is not None:
-                self._entries.move_to_end(spec)
-                self.hits += 1
-                return Constraint(spec, compiled)
+            if compiled is None:
+                return None
+            self._entries.move_to_end(spec)
+            self.hits += 1
+            return Constraint(spec, compiled)
+
+    def compile(self, spec: GrammarSpec) -> Constraint:
+        cached = self.lookup(spec)
+        if cached is not None:
+            return cached
         started = time.perf_counter()
         compiled = self._compile(spec)
         seconds = time.perf_counter() - started

@@ -56,6 +56,9 @@ class _EngineCollector(Collector):
         yield counter("vllm:prompt_tokens", "Prefill tokens processed.", stats.prompt_tokens_total)
         yield counter("vllm:generation_tokens", "Generation tokens processed.", stats.generation_tokens_total)
         yield counter("vllm:num_preemptions", "Preemptions of running requests.", stats.num_preemptions)
+        yield counter("llmserve:grammar_cache_hits", "Constraints (schemas, regexes, tool sets) found compiled.", stats.grammar_cache_hits)
+        yield counter("llmserve:grammar_cache_misses", "Constraints compiled on first use.", stats.grammar_cache_misses)
+        yield gauge("llmserve:grammar_cache_entries", "Compiled grammars kept.", stats.grammar_cache_entries)
         yield gauge("llmserve:engine_alive", "1 while the engine worker thread runs.", 1.0 if stats.is_alive else 0.0)
 
 

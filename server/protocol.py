@@ -5,13 +5,16 @@ the server. Unknown fields are accepted (clients send fields of newer API versio
 Response and chunk models live in `server/responses.py`.
 """
 
+import json
 import logging
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from model.sampling_params import SamplingParams
+from model.structured_output import GrammarError, GrammarSpec, canonical_json, check_schema
 from server.errors import APIError, bad_request
+from server.tools import NAME_PATTERN
 
 logger = logging.getLogger("llmserve.server")
 _logged_extra: set[tuple[str, str]] = set()
@@ -39,10 +42,57 @@ class ContentPart(OpenAIModel):
     text: str | None = None
 
 
+class ToolCallFunction(OpenAIModel):
+    name: str
+    arguments: str  # a JSON object, as text
+
+
+class MessageToolCall(OpenAIModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(OpenAIModel):
     role: Literal["developer", "system", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # assistant turns that called tools (content may be null)
+    tool_call_id: str | None = None  # tool turns: the call they answer
+
+
+class FunctionDefinition(OpenAIModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(OpenAIModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class JSONSchemaSpec(OpenAIModel):
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaSpec | None = None
+
+
+class StructuredOutputs(OpenAIModel):
+    """vLLM's `structured_outputs`: exactly one of these."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 Stop = str | list[str] | None
@@ -85,6 +135,49 @@ class SamplingFields(OpenAIModel):
             logprobs=logprobs,
         )
 
+    def grammar_spec(self) -> tuple[GrammarSpec, str] | None:
+        """The output constraint asked for, and the parameter that asked: response_format, vLLM's
+        structured_outputs or its older guided_* fields; at most one of them."""
+        found: list[tuple[GrammarSpec, str]] = []
+        response_format: ResponseFormat | None = getattr(self, "response_format", None)
+        if response_format is not None and response_format.type == "json_object":
+            found.append((GrammarSpec("json_object", ""), "response_format"))
+        elif response_format is not None and response_format.type == "json_schema":
+            spec = response_format.json_schema
+            if spec is None or spec.schema_ is None:
+                raise bad_request("response_format json_schema needs json_schema.schema", "response_format.json_schema.schema")
+            found.append((_schema_spec(spec.schema_, "response_format.json_schema.schema"), "response_format.json_schema.schema"))
+        so: StructuredOutputs | None = getattr(self, "structured_outputs", None)
+        guided = [
+            (so.json_ if so else None, "structured_outputs.json"), (getattr(self, "guided_json", None), "guided_json"),
+            (so.regex if so else None, "structured_outputs.regex"), (getattr(self, "guided_regex", None), "guided_regex"),
+            (so.choice if so else None, "structured_outputs.choice"), (getattr(self, "guided_choice", None), "guided_choice"),
+            (so.grammar if so else None, "structured_outputs.grammar"), (getattr(self, "guided_grammar", None), "guided_grammar"),
+        ]
+        for value, param in guided:
+            if value is None:
+                continue
+            kind = param.rpartition(".")[2].removeprefix("guided_")
+            if kind == "json":
+                try:
+                    schema = json.loads(value) if isinstance(value, str) else value
+                except ValueError as exc:
+                    raise bad_request(f"{param} is not valid JSON: {exc}", param) from exc
+                found.append((_schema_spec(schema, param), param))
+            elif kind == "choice":
+                if not value or any(not isinstance(c, str) or not c for c in value):
+                    raise bad_request(f"{param} must be a non-empty list of non-empty strings", param)
+                found.append((GrammarSpec("choice", canonical_json(value)), param))
+            else:
+                if not value:
+                    raise bad_request(f"{param} must not be empty", param)
+                found.append((GrammarSpec("regex" if kind == "regex" else "grammar", value), param))
+        if so is not None and so.json_object:
+            found.append((GrammarSpec("json_object", ""), "structured_outputs.json_object"))
+        if len(found) > 1:
+            raise bad_request(f"only one output constraint may be given, got {', '.join(p for _, p in found)}", found[1][1])
+        return found[0] if found else None
+
     def stop_strings(self) -> list[str]:
         stop = getattr(self, "stop")
         stops = [stop] if isinstance(stop, str) else list(stop or [])
@@ -111,6 +204,14 @@ def _logit_bias(bias: dict[str, Bias] | None) -> dict[int, float] | None:
         except ValueError:
             raise bad_request(f"logit_bias keys must be token ids, got {key!r}", param="logit_bias") from None
     return out
+
+
+def _schema_spec(schema: Any, param: str) -> GrammarSpec:
+    try:
+        check_schema(schema)
+    except GrammarError as exc:
+        raise bad_request(str(exc), param) from exc
+    return GrammarSpec.json_schema(schema)
 
 
 def resolve_max_tokens(requested: int | None, prompt_tokens: int, max_model_len: int) -> int:
@@ -140,7 +241,7 @@ def resolve_max_tokens(requested: int | None, prompt_tokens: int, max_model_len:
 class ChatCompletionRequest(SamplingFields):
     # OpenAI, in documentation order (https://platform.openai.com/docs/api-reference/chat/create)
     messages: list[ChatMessage] = Field(min_length=1)
-    model: str
+    model: str | None = None  # omitted = the served model (vLLM, llama-server)
     audio: dict[str, Any] | None = None
     frequency_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, Bias] | None = None
@@ -152,7 +253,7 @@ class ChatCompletionRequest(SamplingFields):
     n: int | None = Field(1, ge=1, le=128)
     parallel_tool_calls: bool | None = None
     presence_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
-    response_format: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
     seed: int | None = None
     service_tier: str | None = None
     stop: Stop = None
@@ -160,8 +261,8 @@ class ChatCompletionRequest(SamplingFields):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     temperature: float | None = Field(None, ge=0.0, le=2.0)
-    tool_choice: str | dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
     top_p: float | None = Field(None, ge=0.0, le=1.0)
     user: str | None = None
@@ -178,15 +279,16 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def check_supported(self) -> None:
         """Fields we parse but cannot honour would silently change the answer's meaning: refuse them clearly."""
-        if self.tools:
-            raise bad_request("tool calling is not supported by this server", param="tools")
         if self.audio is not None or "audio" in (self.modalities or []):
             raise bad_request("audio output is not supported by this server", param="audio")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise bad_request("only response_format {'type': 'text'} is supported", param="response_format")
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
         if self.stream_options is not None and not self.stream:
@@ -196,8 +298,50 @@ class ChatCompletionRequest(SamplingFields):
         if self.continue_final_message and self.messages[-1].role != "assistant":
             raise bad_request("continue_final_message needs an assistant message last", param="continue_final_message")
 
+    def tool_choice_name(self) -> str:
+        """"none", "auto", "required" or the forced function's name; 400 on a choice that does not fit `tools`."""
+        choice = self.tool_choice
+        if isinstance(choice, dict):
+            function = choice.get("function")
+            name = function.get("name") if isinstance(function, dict) else None
+            if choice.get("type") != "function" or not isinstance(name, str):
+                raise bad_request('tool_choice must be "none", "auto", "required" or {"type": "function", '
+                                  '"function": {"name": ...}}', "tool_choice")
+            if name not in {t.function.name for t in self.tools or []}:
+                raise bad_request(f"tool_choice names function {name!r}, which is not in tools", "tool_choice")
+            return name
+        if choice == "required" and not self.tools:
+            raise bad_request('tool_choice "required" needs tools', "tool_choice")
+        if choice is None:
+            return "auto" if self.tools else "none"
+        return choice
+
+    def tool_dicts(self) -> list[dict[str, Any]]:
+        """The tools as plain dicts, each checked: a valid name, parameters that are a JSON-Schema object."""
+        out = []
+        for i, tool in enumerate(self.tools or []):
+            function = tool.function
+            if not NAME_PATTERN.fullmatch(function.name):
+                raise bad_request(f"tools[{i}].function.name {function.name!r} must match [A-Za-z0-9_-]{{1,64}}",
+                                  f"tools[{i}].function.name")
+            param = f"tools[{i}].function.parameters"
+            parameters = function.parameters
+            if parameters is not None:
+                if parameters.get("type", "object") != "object":
+                    raise bad_request(f"{param} must be a JSON Schema of type object", param)
+                try:
+                    check_schema(parameters, param)
+                except GrammarError as exc:
+                    raise bad_request(str(exc), param) from exc
+            out.append({"type": "function", "function": function.model_dump(exclude_none=True)})
+        names = [t["function"]["name"] for t in out]
+        if len(set(names)) != len(names):
+            raise bad_request("tools must have distinct function names", "tools")
+        return out
+
     def template_messages(self) -> list[dict[str, Any]]:
-        """Messages as the chat template expects them: `developer` is `system`, text parts joined into a string."""
+        """Messages as the chat template expects them: `developer` is `system`, text parts joined into a string,
+        tool calls and tool results in OpenAI's shape (server/tools.py adapts them to the template)."""
         out: list[dict[str, Any]] = []
         for i, message in enumerate(self.messages):
             content = message.content
@@ -211,6 +355,14 @@ class ChatCompletionRequest(SamplingFields):
             item: dict[str, Any] = {"role": "system" if message.role == "developer" else message.role, "content": content or ""}
             if message.name:
                 item["name"] = message.name
+            if message.tool_calls:
+                if message.role != "assistant":
+                    raise bad_request("only assistant messages carry tool_calls", f"messages[{i}].tool_calls")
+                item["tool_calls"] = [c.model_dump(include={"id", "type", "function"}) for c in message.tool_calls]
+            if message.role == "tool":
+                if not message.tool_call_id:
+                    raise bad_request("tool messages need tool_call_id", f"messages[{i}].tool_call_id")
+                item["tool_call_id"] = message.tool_call_id
             out.append(item)
         return out
 
@@ -226,7 +378,7 @@ Prompt = str | list[str] | list[int] | list[list[int]]
 
 class CompletionRequest(SamplingFields):
     # OpenAI, in documentation order (https://platform.openai.com/docs/api-reference/completions/create)
-    model: str
+    model: str | None = None  # omitted = the served model (vLLM, llama-server)
     prompt: Prompt
     best_of: int | None = Field(None, ge=1, le=20)
     echo: bool | None = False
@@ -254,6 +406,12 @@ class CompletionRequest(SamplingFields):
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def check_supported(self) -> None:
         if self.suffix:

@@ -37,6 +37,9 @@ class EngineStats:
     generation_tokens_total: int
     num_steps: int
     is_alive: bool
+    grammar_cache_hits: int = 0
+    grammar_cache_misses: int = 0
+    grammar_cache_entries: int = 0
 
 
 @dataclass(slots=True)
@@ -138,6 +141,9 @@ class Engine:
             generation_tokens_total=self.generation_tokens_total,
             num_steps=self.num_steps,
             is_alive=self.is_alive,
+            grammar_cache_hits=self.grammars.hits,
+            grammar_cache_misses=self.grammars.misses,
+            grammar_cache_entries=len(self.grammars),
         )
 
     # ---- worker thread ---------------------------------------------------------------------------------------

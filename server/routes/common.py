@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from fastapi import Request
 
 from model.sampling_params import SamplingParams
+from model.structured_output import Constraint, GrammarError, GrammarSpec
 from server.async_engine import AsyncEngine, RequestStream
 from server.errors import APIError
 from server.logprobs import TokenText
@@ -140,6 +141,19 @@ def submit(
         message = str(exc)
         too_long = "context length" in message or "KV cache" in message
         raise APIError(400, message, code="context_length_exceeded" if too_long else None) from exc
+
+
+async def compile_constraint(ctx: Serving, spec: GrammarSpec, param: str) -> Constraint:
+    """The compiled grammar: from the cache on the event loop, else compiled in the worker thread (a schema can take
+    tens of milliseconds). A schema or grammar the backend cannot enforce is the client's 400, naming `param`."""
+    grammars = ctx.engine.engine.grammars
+    cached = grammars.lookup(spec)
+    if cached is not None:
+        return cached
+    try:
+        return await ctx.tokenizer_worker.run(grammars.compile, spec)
+    except GrammarError as exc:
+        raise APIError(400, str(exc), param=exc.param or param) from exc
 
 
 def record_usage(request: Request, prompt_tokens: int, completion_tokens: int, finish_reasons: list[str | None]) -> None:

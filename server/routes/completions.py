@@ -12,7 +12,18 @@ from server.errors import bad_request
 from server.logprobs import completion_logprobs
 from server.protocol import CompletionRequest
 from server.responses import CompletionChoice, CompletionLogprobs, CompletionResponse, make_usage
-from server.routes.common import ERROR_RESPONSES, Serving, admit, check_model, new_request_id, now, record_usage, serving, submit
+from server.routes.common import (
+    ERROR_RESPONSES,
+    Serving,
+    admit,
+    check_model,
+    compile_constraint,
+    new_request_id,
+    now,
+    record_usage,
+    serving,
+    submit,
+)
 from server.streaming import collect_unless_disconnected, sse_response
 
 router = APIRouter(responses=ERROR_RESPONSES)
@@ -54,13 +65,17 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     stop = body.stop_strings()
     prompts, prompt_texts = await tokenize_prompts(ctx, body.prompt)
     params = body.to_sampling_params(max(len(p) for p in prompts), ctx.max_model_len)
+    constraint = body.grammar_spec()
+    if constraint is not None:
+        params.constraint = await compile_constraint(ctx, *constraint)
+    model = body.model or ctx.settings.model_name
     n = body.n or 1
     echo = [prompt_texts[i // n] if body.echo else "" for i in range(len(prompts) * n)]
     stream = submit(ctx, new_request_id("cmpl"), prompts, params, n, stop, body.include_stop_str_in_output,
                     body.skip_special_tokens)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return sse_response(request, _chunks(ctx, request, stream, body.model, echo, include_usage), stream)
+        return sse_response(request, _chunks(ctx, request, stream, model, echo, include_usage), stream)
     try:
         deltas = await collect_unless_disconnected(request, stream, aiter(stream))
     finally:
@@ -68,7 +83,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     if deltas is None:
         return Response(status_code=499)  # nobody is listening; the code is for the access log
     want_logprobs = body.logprobs is not None
-    return JSONResponse(_response(ctx, request, stream, deltas, body.model, echo, want_logprobs).model_dump(mode="json"))
+    return JSONResponse(_response(ctx, request, stream, deltas, model, echo, want_logprobs).model_dump(mode="json"))
 
 
 def _response(ctx: Serving, request: Request, stream: RequestStream, deltas: list[Delta], model: str, echo: list[str],
