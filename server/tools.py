@@ -200,8 +200,8 @@ class ToolCallParser:
         if self._state == "arguments" and len(self._buffer) > self._emitted:
             deltas.append(ToolCallDelta(len(self.calls) - 1, self._buffer[self._emitted:]))
             self.calls[-1].arguments += self._buffer[self._emitted:]
-        elif self._state == "text" and not (self.calls and not self._buffer.strip()):
-            content.append(self._buffer)
+        elif self._state == "text":
+            self._emit_text(self._buffer, content)
         self._buffer, self._emitted = "", 0  # a half-written call header is dropped, never shown as text
         return "".join(content), deltas
 
@@ -215,8 +215,9 @@ class ToolCallParser:
                 return True
             if not final:
                 keep = _held_back(self._buffer, fmt.trigger)
-                if self.calls and not self._buffer[: len(self._buffer) - keep].strip():
-                    return False  # whitespace between calls: content only if real text follows
+                head = self._buffer[: len(self._buffer) - keep].strip()
+                if self.calls and fmt.separator.strip().startswith(head):
+                    return False  # a separator between calls, or whitespace: content only if real text follows
                 self._emit_text(self._buffer[: len(self._buffer) - keep], content)
                 self._buffer = self._buffer[len(self._buffer) - keep:]
             return False
@@ -252,7 +253,7 @@ class ToolCallParser:
             self._emitted = upto
 
     def _emit_text(self, text: str, content: list[str]) -> None:
-        if text and not (self.calls and not text.strip()):
+        if text and not (self.calls and text.strip() in ("", self.format.separator.strip())):
             content.append(text)
 
 

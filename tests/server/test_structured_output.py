@@ -11,9 +11,12 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from pydantic import BaseModel, Field
 
 from model.tokenizer import Tokenizer
+from tests.engine.schemas import schemas
 from tests.server.harness import MODEL, LiveServer
 
 WEATHER_TOOL: dict[str, Any] = {
@@ -270,3 +273,26 @@ def test_grammar_cache_metrics(server: LiveServer, client: openai.OpenAI) -> Non
     after = server.metrics()
     assert after["llmserve:grammar_cache_misses_total"] == before.get("llmserve:grammar_cache_misses_total", 0) + 1
     assert after["llmserve:grammar_cache_hits_total"] >= before.get("llmserve:grammar_cache_hits_total", 0) + 1
+
+
+@settings(max_examples=5, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@given(schema=schemas, seed=st.integers(0, 2**31), temperature=st.floats(1.0, 1.5), stream=st.booleans())
+def test_generated_schemas_over_http(client: openai.OpenAI, schema: dict[str, Any], seed: int, temperature: float,
+                                     stream: bool) -> None:
+    response_format = {"type": "json_schema", "json_schema": {"name": "generated", "schema": schema}}
+    kwargs: dict[str, Any] = dict(model=MODEL, messages=[{"role": "user", "content": "Reply in JSON."}], n=2,
+                                  response_format=response_format, max_tokens=96, temperature=temperature, seed=seed)
+    texts, finish = ["", ""], [None, None]
+    if stream:
+        for chunk in client.chat.completions.create(stream=True, **kwargs):
+            for c in chunk.choices:
+                texts[c.index] += c.delta.content or ""
+                finish[c.index] = c.finish_reason or finish[c.index]
+    else:
+        reply = client.chat.completions.create(**kwargs)
+        texts = [c.message.content or "" for c in reply.choices]
+        finish = [c.finish_reason for c in reply.choices]
+    assert "stop" in finish, texts
+    for text, reason in zip(texts, finish, strict=True):
+        if reason == "stop":
+            jsonschema.validate(json.loads(text), schema)

@@ -1,0 +1,429 @@
+"""Structured output (xgrammar) against the same load unconstrained, in one process on one engine (issue 14).
+
+    .venv/bin/python bench/structured_output.py                              # 16 streams, 2 rounds
+    .venv/bin/python bench/structured_output.py --streams 16 --rounds 3 -- --num-threads 1
+
+1. Compile time of a typical JSON schema (6 properties: bounded strings, an integer range, an enum, an array with
+   maxItems, a nested object): first use (a new spec, a cache miss; median over --compile-samples schemas that
+   differ in their property names) and cached (`GrammarCache.lookup` hit).
+2. Loads of --streams concurrent requests with the same chat-templated prompts ("Describe city #i as JSON ..."),
+   temperature --temperature with a seed per stream, stepped through `Engine.step()` in this thread:
+     unconstrained    no grammar, EOS ignored, each stream's max_tokens = the length its shared-schema output had
+                      in an untimed calibration pass (so both loads generate the same tokens per stream)
+     shared schema    every stream the same schema, compiled before the timer starts (a cache hit)
+     16 schemas       a distinct, new schema per stream, compiled inside the timed window (16 cache misses,
+                      serially, before the first step: the engine cannot start until they are compiled here)
+     16 precompiled   distinct schemas again, compiled before the timer starts
+   The loads alternate in order over --rounds (forward, then reversed); the table shows medians. Output tok/s =
+   generated tokens / (first add to last token); decode tok/s leaves out the steps until every stream had a token.
+3. Every finished constrained output is decoded and checked with `jsonschema`.
+4. A profile pass at --streams: perf_counter accumulators monkeypatched (here, not in the library) around the
+   matcher's fill_next_token_bitmask / accept_token / is_terminated, the bitmask allocation and apply, the sampler
+   and the model runner, per decode step, constrained against unconstrained.
+
+Flags after `--` are `llmserve serve` flags (Settings). On a shared 2-core machine compare rows of one run."""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import jsonschema  # noqa: E402
+import torch  # noqa: E402
+import xgrammar  # noqa: E402
+
+import model.engine.engine as engine_module  # noqa: E402
+import model.engine.model_runner as runner_module  # noqa: E402
+import model.layers.sampler as sampler_module  # noqa: E402
+from config.settings import load_settings  # noqa: E402
+from engine_throughput import LevelResult  # noqa: E402  (its tok/s, decode tok/s and ms/step definitions)
+from model.engine.engine import Engine  # noqa: E402
+from model.sampling_params import SamplingParams  # noqa: E402
+from model.structured_output import GrammarSpec  # noqa: E402
+
+CLIMATES = ["arid", "temperate", "tropical", "continental", "polar", "mediterranean"]
+
+
+def city_schema(tag: str = "") -> dict:
+    """A typical response schema, every value bounded so a 135M model closes the object. `tag` renames the
+    properties (name -> name_<tag>), which makes a different spec: a cache miss and a different grammar."""
+    k = (lambda name: f"{name}_{tag}") if tag else (lambda name: name)
+    short = {"type": "string", "minLength": 1, "maxLength": 12}
+    return {
+        "type": "object",
+        "properties": {
+            k("name"): short,
+            k("country"): short,
+            k("population"): {"type": "integer", "minimum": 0, "maximum": 40_000_000},
+            k("climate"): {"type": "string", "enum": CLIMATES},
+            k("landmarks"): {"type": "array", "items": short, "minItems": 1, "maxItems": 2},
+            k("mayor"): {
+                "type": "object",
+                "properties": {"name": short, "since": {"type": "integer", "minimum": 1900, "maximum": 2026}},
+                "required": ["name", "since"],
+                "additionalProperties": False,
+            },
+        },
+        "required": [k(p) for p in ("name", "country", "population", "climate", "landmarks", "mayor")],
+        "additionalProperties": False,
+    }
+
+
+def city_prompts(engine: Engine, n: int) -> list[list[int]]:
+    return [
+        engine.tokenizer.apply_chat_template([{
+            "role": "user",
+            "content": f"Describe city #{i + 1} as JSON: its name, country, population, climate, "
+                       "one or two landmarks, and its mayor.",
+        }])
+        for i in range(n)
+    ]
+
+
+# ---- compile time ------------------------------------------------------------------------------------------------
+@dataclass(slots=True)
+class CompileTimes:
+    first_in_process_ms: float
+    first_use_ms: list[float]  # one per new schema
+    lookup_hit_us: float  # GrammarCache.lookup of a cached spec
+    request_hit_us: float  # GrammarSpec.json_schema(dict) + compile() on a hit: what a request with a known schema pays
+    matcher_us: float  # a GrammarMatcher from the compiled grammar (the engine makes one per sequence)
+
+
+def measure_compile(engine: Engine, samples: int) -> CompileTimes:
+    cache = engine.grammars
+
+    def compile_ms(tag: str) -> float:
+        spec = GrammarSpec.json_schema(city_schema(tag))
+        assert cache.lookup(spec) is None, "expected a new spec"
+        started = time.perf_counter()
+        cache.compile(spec)
+        return 1e3 * (time.perf_counter() - started)
+
+    first = compile_ms("warm")  # the process's first JSON-schema compile, shown apart in case it pays one-time costs
+    first_use = [compile_ms(f"c{i}") for i in range(samples)]
+    schema = city_schema("c0")
+    spec = GrammarSpec.json_schema(schema)
+    reps = 2000
+    started = time.perf_counter()
+    for _ in range(reps):
+        cache.lookup(spec)
+    lookup_us = 1e6 * (time.perf_counter() - started) / reps
+    started = time.perf_counter()
+    for _ in range(reps):
+        cache.compile(GrammarSpec.json_schema(schema))
+    request_us = 1e6 * (time.perf_counter() - started) / reps
+    constraint = cache.lookup(spec)
+    started = time.perf_counter()
+    for _ in range(200):
+        engine_module.new_matcher(constraint)
+    matcher_us = 1e6 * (time.perf_counter() - started) / 200
+    return CompileTimes(first, first_use, lookup_us, request_us, matcher_us)
+
+
+# ---- loads -------------------------------------------------------------------------------------------------------
+@dataclass(slots=True)
+class LoadRun:
+    result: LevelResult
+    tokens: list[list[int]]
+    finish: list[str]
+    schemas: list[dict | None]
+    compile_ms: float = 0.0  # compile time inside the timed window
+
+
+def run_load(engine: Engine, name: str, prompts: list[list[int]], make_params: Callable[[int], SamplingParams],
+             schemas: list[dict | None]) -> LoadRun:
+    """Submit every stream (make_params runs inside the timed window, so a compile there is counted), then step
+    until all finish."""
+    n = len(prompts)
+    misses, compile_s = engine.grammars.misses, engine.grammars.compile_seconds_total
+    started = time.perf_counter()
+    for i, ids in enumerate(prompts):
+        engine.add_request(f"{name}-{i}", ids, make_params(i))
+    engine._drain_inbox(False)  # the step loop's own intake, without its worker thread
+    index = {f"{name}-{i}": i for i in range(n)}
+    tokens: list[list[int]] = [[] for _ in range(n)]
+    finish = [""] * n
+    seen: set[int] = set()
+    prefill_done = 0.0
+    steps = decode_steps = output_tokens = decode_tokens = batch_sum = 0
+    while engine.scheduler.has_work():
+        outs = engine.step()
+        steps += 1
+        new = 0
+        for o in outs:
+            i = index[o.request_id]
+            tokens[i].extend(o.new_token_ids)
+            new += len(o.new_token_ids)
+            if o.finish_reason is not None:
+                finish[i] = o.finish_reason
+        output_tokens += new
+        if prefill_done:
+            decode_steps += 1
+            decode_tokens += new
+            batch_sum += len(outs)
+        else:
+            seen.update(index[o.request_id] for o in outs)
+            if len(seen) == n:
+                prefill_done = time.perf_counter() - started
+    seconds = time.perf_counter() - started
+    result = LevelResult(
+        concurrency=n, prompt_tokens=sum(map(len, prompts)) // n, output_tokens=output_tokens, seconds=seconds,
+        prefill_seconds=prefill_done, decode_tokens=decode_tokens, steps=steps, decode_steps=decode_steps,
+        mean_batch=batch_sum / max(decode_steps, 1),
+    )
+    compiled_ms = 1e3 * (engine.grammars.compile_seconds_total - compile_s) if engine.grammars.misses > misses else 0.0
+    return LoadRun(result, tokens, finish, schemas, compiled_ms)
+
+
+@dataclass(slots=True)
+class Validation:
+    finished: int = 0
+    valid: int = 0
+    by_length: int = 0  # hit max_tokens: an unfinished object
+    errors: list[str] = field(default_factory=list)
+
+
+def validate(engine: Engine, run: LoadRun, into: Validation) -> None:
+    for toks, reason, schema in zip(run.tokens, run.finish, run.schemas):
+        if schema is None:
+            continue
+        if reason != "stop":
+            into.by_length += 1
+            continue
+        into.finished += 1
+        text = engine.tokenizer.decode(toks, skip_special_tokens=True)
+        try:
+            jsonschema.validate(json.loads(text), schema)
+            into.valid += 1
+        except (ValueError, jsonschema.ValidationError) as exc:
+            into.errors.append(f"{text!r}: {str(exc).splitlines()[0]}")
+
+
+# ---- profile -----------------------------------------------------------------------------------------------------
+class Accumulators:
+    """perf_counter totals around library calls, installed by monkeypatching and removed by restore()."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
+        self._undo: list[tuple[object, str, object]] = []
+
+    def wrap(self, owner: object, attr: str, label: str) -> None:
+        original = getattr(owner, attr)
+        raw = vars(owner).get(attr, original)  # a classmethod as defined, for restore()
+        seconds, calls = self.seconds, self.calls
+
+        def timed(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                seconds[label] += time.perf_counter() - started
+                calls[label] += 1
+
+        self._undo.append((owner, attr, raw))
+        setattr(owner, attr, timed)
+
+    def reset(self) -> None:
+        self.seconds.clear()
+        self.calls.clear()
+
+    def restore(self) -> None:
+        for owner, attr, original in reversed(self._undo):
+            setattr(owner, attr, original)
+        self._undo.clear()
+
+
+PROFILED = [  # (owner, attribute, label); the first three are what a constraint adds to a step
+    (xgrammar.GrammarMatcher, "fill_next_token_bitmask", "fill_next_token_bitmask"),
+    (xgrammar, "apply_token_bitmask_inplace", "apply_token_bitmask_inplace"),
+    (xgrammar.GrammarMatcher, "accept_token", "accept_token"),
+    (xgrammar.GrammarMatcher, "is_terminated", "is_terminated"),
+    (xgrammar, "allocate_token_bitmask", "allocate_token_bitmask"),
+    (sampler_module, "apply_penalties", "apply_penalties (logits clone + mask)"),
+    (sampler_module.Sampler, "forward", "Sampler.forward"),
+    (runner_module.SamplingBatch, "build", "SamplingBatch.build"),
+    (runner_module.ModelRunner, "run", "ModelRunner.run"),
+    (Engine, "step", "Engine.step"),
+]
+
+
+def profile(engine: Engine, prompts: list[list[int]], shared_params: Callable[[int], SamplingParams],
+            plain_params: Callable[[int], SamplingParams], schemas: list[dict | None]) -> None:
+    acc = Accumulators()
+    for owner, attr, label in PROFILED:
+        acc.wrap(owner, attr, label)
+    rows: dict[str, tuple[dict[str, float], dict[str, int], LevelResult]] = {}
+    try:
+        for name, make, sch in (("shared schema", shared_params, schemas), ("unconstrained", plain_params, [None] * len(prompts))):
+            acc.reset()
+            run = run_load(engine, f"profile-{name}", prompts, make, sch)
+            rows[name] = (dict(acc.seconds), dict(acc.calls), run.result)
+    finally:
+        acc.restore()
+    c_sec, c_calls, c_res = rows["shared schema"]
+    u_sec, _, u_res = rows["unconstrained"]
+    print(f"\n## Where a constraint's time goes: {len(prompts)} streams, one profile pass each (perf_counter around calls)\n")
+    print(f"steps: constrained {c_res.steps}, unconstrained {u_res.steps}; wall ms/step {1e3 * c_res.seconds / c_res.steps:.1f} "
+          f"vs {1e3 * u_res.seconds / u_res.steps:.1f}\n")
+    print("| call | constrained ms/step | unconstrained ms/step | calls/step | µs/call |")
+    print("|---|---:|---:|---:|---:|")
+    for _, _, label in PROFILED:
+        s, calls = c_sec.get(label, 0.0), c_calls.get(label, 0)
+        print(f"| {label} | {1e3 * s / c_res.steps:.2f} | {1e3 * u_sec.get(label, 0.0) / u_res.steps:.2f} | "
+              f"{calls / c_res.steps:.1f} | {1e6 * s / max(calls, 1):.0f} |")
+    grammar = sum(c_sec.get(k, 0.0) for k in ("fill_next_token_bitmask", "apply_penalties (logits clone + mask)",
+                                              "accept_token", "is_terminated", "allocate_token_bitmask"))
+    step_c, step_u = c_sec["Engine.step"] / c_res.steps, u_sec["Engine.step"] / u_res.steps
+    print(f"\nconstraint work (fill + alloc + clone/apply + accept + is_terminated): {1e3 * grammar / c_res.steps:.2f} ms/step "
+          f"= {100 * grammar / c_sec['Engine.step']:.0f} % of a constrained step; Engine.step {1e3 * step_c:.1f} vs "
+          f"{1e3 * step_u:.1f} ms unconstrained ({1e3 * (step_c - step_u):+.1f} ms)")
+
+
+# ---- main --------------------------------------------------------------------------------------------------------
+def main() -> None:
+    argv = sys.argv[1:]
+    server_flags = argv[argv.index("--") + 1 :] if "--" in argv else []
+    own = argv[: argv.index("--")] if "--" in argv else argv
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--streams", type=int, default=16, help="concurrent requests per load")
+    parser.add_argument("--max-tokens", type=int, default=80, help="max_tokens of a constrained request (a complete object is ~45-70)")
+    parser.add_argument("--rounds", type=int, default=2, help="times every load runs (order alternates); medians reported")
+    parser.add_argument("--temperature", type=float, default=0.7, help="0 = greedy; otherwise seeded per stream")
+    parser.add_argument("--compile-samples", type=int, default=8, help="new schemas timed for first-use compile")
+    parser.add_argument("--no-profile", action="store_true", help="skip the profile pass")
+    args = parser.parse_args(own)
+
+    _, settings = load_settings(["serve", *server_flags])
+    if not settings.model:
+        from config.default_model import ensure_default_model
+
+        ensure_default_model(settings.models_dir)
+    engine = Engine(settings)
+    print(f"# structured output\n\n{engine.describe()}")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs, "
+          f"load average {os.getloadavg()[0]:.1f}; xgrammar {xgrammar_version()}")
+    print(f"{args.streams} streams, temperature {args.temperature} (seed = stream), max_tokens {args.max_tokens} constrained, "
+          f"{args.rounds} rounds, max_num_batched_tokens={settings.max_num_batched_tokens}\n")
+
+    # 1. compile time
+    ct = measure_compile(engine, args.compile_samples)
+    print(f"## Schema compile (6 properties, nested object; grammar cache of {settings.grammar_cache_size})\n")
+    print("| | ms |\n|---|---:|")
+    print(f"| first JSON-schema compile in the process | {ct.first_in_process_ms:.1f} |")
+    print(f"| first use of a new schema, median of {len(ct.first_use_ms)} (min-max) | {statistics.median(ct.first_use_ms):.1f} "
+          f"({min(ct.first_use_ms):.1f}-{max(ct.first_use_ms):.1f}) |")
+    print(f"| cached: `lookup` hit | {ct.lookup_hit_us / 1e3:.4f} |")
+    print(f"| cached: `GrammarSpec.json_schema(dict)` + `compile` hit | {ct.request_hit_us / 1e3:.4f} |")
+    print(f"| a GrammarMatcher per sequence | {ct.matcher_us / 1e3:.4f} |")
+    print(f"\nissue 14 goal: first-use compile < 50 ms -> {'met' if statistics.median(ct.first_use_ms) < 50 else 'NOT met'}\n",
+          flush=True)
+
+    # 2. loads
+    n = args.streams
+    prompts = city_prompts(engine, n)
+    temp = args.temperature
+    seed = None if temp == 0 else 0
+
+    def params(i: int, max_tokens: int, constraint=None, ignore_eos: bool = False) -> SamplingParams:
+        return SamplingParams(temperature=temp, seed=None if seed is None else i, max_tokens=max_tokens,
+                              ignore_eos=ignore_eos, constraint=constraint)
+
+    shared_schema = city_schema()
+    shared = engine.grammars.compile(GrammarSpec.json_schema(shared_schema))
+
+    def shared_params(i: int) -> SamplingParams:
+        return params(i, args.max_tokens, engine.grammars.compile(GrammarSpec.json_schema(shared_schema)))
+
+    # untimed calibration (and warm-up: allocations, prefix cache of the prompts): each stream's constrained length
+    calib = run_load(engine, "calibrate", prompts, shared_params, [shared_schema] * n)
+    lengths = [len(t) for t in calib.tokens]
+    print(f"calibration (shared schema, untimed): tokens per stream {min(lengths)}-{max(lengths)}, median "
+          f"{statistics.median(lengths):.0f}; {sum(r == 'length' for r in calib.finish)} of {n} hit max_tokens\n", file=sys.stderr)
+
+    def plain_params(i: int) -> SamplingParams:
+        return params(i, lengths[i], ignore_eos=True)
+
+    loads = ["unconstrained", "shared schema", f"{n} schemas, compiled in load", f"{n} schemas, precompiled"]
+    runs: dict[str, list[LoadRun]] = {name: [] for name in loads}
+    checks: dict[str, Validation] = {name: Validation() for name in loads[1:]}
+    for r in range(args.rounds):
+        order = loads if r % 2 == 0 else loads[::-1]
+        for name in order:
+            if name == "unconstrained":
+                make, schemas = plain_params, [None] * n
+            elif name == "shared schema":
+                assert engine.grammars.lookup(shared.spec) is not None
+                make, schemas = shared_params, [shared_schema] * n
+            else:
+                precompiled = name.endswith("precompiled")
+                schemas = [city_schema(f"{'p' if precompiled else 'm'}{r}{chr(97 + i % 26)}{i // 26}") for i in range(n)]
+                specs = [GrammarSpec.json_schema(s) for s in schemas]
+                assert all(engine.grammars.lookup(s) is None for s in specs)
+                if precompiled:
+                    for s in specs:
+                        engine.grammars.compile(s)
+
+                def make(i: int, specs=specs) -> SamplingParams:
+                    return params(i, args.max_tokens, engine.grammars.compile(specs[i]))
+            run = run_load(engine, f"r{r}-{name}", prompts, make, schemas)
+            runs[name].append(run)
+            if name in checks:
+                validate(engine, run, checks[name])
+            print(f"  round {r + 1}: {name}: {run.result.output_tps:.1f} output tok/s, {run.result.output_tokens} tokens, "
+                  f"{run.result.seconds:.1f} s", file=sys.stderr, flush=True)
+
+    base = statistics.median(x.result.output_tps for x in runs["unconstrained"])
+    base_dec = statistics.median(x.result.decode_tps for x in runs["unconstrained"])
+    print(f"## Loads: {n} streams, median of {args.rounds} rounds\n")
+    print("| load | tokens/req (mean) | hit max_tokens | valid JSON / finished | compile in window ms | output tok/s | "
+          "decode tok/s | ms/decode step | output vs unconstrained | decode vs unconstrained |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for name in loads:
+        rs = runs[name]
+        tps = statistics.median(x.result.output_tps for x in rs)
+        dec = statistics.median(x.result.decode_tps for x in rs)
+        ms = statistics.median(x.result.ms_per_decode_step for x in rs)
+        toks = statistics.mean(x.result.output_tokens for x in rs) / n
+        lim = sum(f == "length" for x in rs for f in x.finish)
+        cmp_ms = statistics.median(x.compile_ms for x in rs)
+        v = checks.get(name)
+        valid = f"{v.valid}/{v.finished}" if v else "-"
+        print(f"| {name} | {toks:.1f} | {lim}/{n * len(rs)} | {valid} | {cmp_ms:.0f} | {tps:.1f} | {dec:.1f} | {ms:.1f} | "
+              f"{tps / base:.2f}x | {dec / base_dec:.2f}x |")
+    ratio = statistics.median(x.result.output_tps for x in runs["shared schema"]) / base
+    print(f"\nissue 14 goal: {n} streams, cached schema >= 0.9x unconstrained -> {ratio:.2f}x, "
+          f"{'met' if ratio >= 0.9 else 'NOT met'}")
+    print(f"grammar cache: {engine.grammars.hits} hits, {engine.grammars.misses} misses, {len(engine.grammars)} entries")
+    print(f"jsonschema: {sum(v.valid for v in checks.values())} of {sum(v.finished for v in checks.values())} finished "
+          f"constrained outputs valid; {sum(v.by_length for v in checks.values())} cut at max_tokens (not checked)")
+    for v in checks.values():
+        for e in v.errors[:3]:
+            print(f"  invalid: {e}")
+    sample = runs["shared schema"][0]
+    print(f"example output: {engine.tokenizer.decode(sample.tokens[0], skip_special_tokens=True)}", flush=True)
+
+    # 4. profile
+    if not args.no_profile:
+        profile(engine, prompts, shared_params, plain_params, [shared_schema] * n)
+
+
+def xgrammar_version() -> str:
+    from importlib.metadata import version
+
+    return version("xgrammar")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,141 @@
+"""The grammar layer on its own: xgrammar's view of the vocabulary, the schema checks, the compiled-grammar cache,
+and the tool-call parser (streamed in every possible split against the whole text)."""
+
+import json
+from typing import Any
+
+import pytest
+
+from model.structured_output import GrammarCache, GrammarError, GrammarSpec, check_schema, new_matcher, tokenizer_info
+from model.tokenizer import Tokenizer
+from server.tools import FORMATS, ToolCallParser
+
+
+def gpt2_byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-to-unicode table, inverted: the reference for a byte-level BPE vocabulary's bytes."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = list(printable), 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, chars, strict=True)}
+
+
+@pytest.fixture(scope="module")
+def cache(default_tokenizer: Tokenizer) -> GrammarCache:
+    return GrammarCache(tokenizer_info(default_tokenizer.hf, len(default_tokenizer.hf), [2]), max_entries=3)
+
+
+def test_every_token_has_its_bytes(default_tokenizer: Tokenizer, cache: GrammarCache) -> None:
+    hf = default_tokenizer.hf
+    decoded = cache.info.decoded_vocab
+    byte_of = gpt2_byte_decoder()
+    special = set(hf.all_special_ids) | {i for i, t in hf.added_tokens_decoder.items() if t.special}
+    assert special and 2 in special
+    for token_id, token in enumerate(hf.convert_ids_to_tokens(list(range(len(hf))))):
+        if token_id in special:
+            # special tokens are never allowed inside a grammar; the stop token keeps its text
+            assert decoded[token_id] == (token.encode() if token_id == 2 else b""), token
+        else:
+            assert decoded[token_id] == bytes(byte_of[c] for c in token), (token_id, token)
+    # and the bytes of a real multi-byte text come back through the table
+    text = "naïve café — 東京 🎉"
+    ids = default_tokenizer.encode(text, add_special_tokens=False)
+    assert b"".join(decoded[i] for i in ids).decode() == text
+    assert cache.info.stop_token_ids == [2]
+
+
+@pytest.mark.parametrize(("schema", "keyword"), [
+    ({"type": "object", "not": {"type": "null"}}, "not"),
+    ({"type": "array", "items": {"type": "integer", "multipleOf": 2}}, "multipleOf"),
+    ({"type": "object", "properties": {"a": {"anyOf": [{"type": "string"}, {"uniqueItems": True}]}}}, "uniqueItems"),
+    ({"$defs": {"x": {"if": {}, "then": {}}}, "$ref": "#/$defs/x"}, "if"),
+    ({"type": "object", "patternProperties": {"^a": {}}}, "patternProperties"),
+])
+def test_unenforceable_keywords_are_named(schema: dict[str, Any], keyword: str) -> None:
+    with pytest.raises(GrammarError, match=f"'{keyword}'"):
+        check_schema(schema)
+
+
+def test_names_that_look_like_keywords_are_fine_and_remote_refs_are_not() -> None:
+    check_schema({"type": "object", "properties": {"not": {"type": "string"}, "if": {"type": "integer"}}})
+    with pytest.raises(GrammarError, match="local"):
+        check_schema({"$ref": "https://example.com/schema.json"})
+    with pytest.raises(GrammarError, match="JSON Schema object"):
+        check_schema([1, 2])
+
+
+def test_cache_counts_and_evicts_least_recently_used(cache: GrammarCache) -> None:
+    specs = [GrammarSpec.json_schema({"type": "object", "properties": {f"p{i}": {"type": "integer"}}}) for i in range(4)]
+    hits, misses = cache.hits, cache.misses
+    first = cache.compile(specs[0])
+    assert cache.compile(specs[0]).compiled is first.compiled
+    assert (cache.hits - hits, cache.misses - misses) == (1, 1)
+    for spec in specs[1:]:
+        cache.compile(spec)
+    assert len(cache) == 3 and cache.lookup(specs[0]) is None  # the oldest went first
+    assert cache.lookup(specs[3]) is not None
+
+
+def test_bad_grammars_raise_grammar_error(cache: GrammarCache) -> None:
+    for spec in (GrammarSpec("regex", "([a-z"), GrammarSpec("grammar", "root ::= undefined_rule"),
+                 GrammarSpec("json_schema", json.dumps({"type": "nonsense"}))):
+        with pytest.raises(GrammarError):
+            cache.compile(spec)
+
+
+def test_choice_matcher_accepts_exactly_the_choices(cache: GrammarCache, default_tokenizer: Tokenizer) -> None:
+    constraint = cache.compile(GrammarSpec("choice", json.dumps(["yes", "no way"])))
+    for text, ok in (("yes", True), ("no way", True), ("no", False), ("yes!", False)):
+        matcher = new_matcher(constraint)
+        accepted = all(matcher.accept_token(t) for t in default_tokenizer.encode(text, add_special_tokens=False))
+        assert (accepted and matcher.accept_token(2) and matcher.is_terminated()) == ok, text
+
+
+CALLS = [("get_weather", '{"city": "Paris", "nested": {"a": [1, {"b": "}"}]}}'), ("get_time", '{"tz": "UTC"}')]
+
+
+@pytest.mark.parametrize("format_name", sorted(FORMATS))
+@pytest.mark.parametrize("lead", ["", "Let me check. "])
+def test_parser_streams_any_split_like_the_whole(format_name: str, lead: str) -> None:
+    fmt = FORMATS[format_name]
+    text = lead + fmt.separator.join(fmt.call_text(name, args) for name, args in CALLS)
+
+    whole = ToolCallParser(fmt)
+    content = whole.feed(text)[0] + whole.finish()[0]
+    assert content == lead
+    assert [(c.name, c.arguments) for c in whole.calls] == CALLS
+
+    for cut in range(1, len(text)):  # every two-piece split, and one character at a time
+        for pieces in ([text[:cut], text[cut:]], list(text) if cut == 1 else None):
+            if pieces is None:
+                continue
+            parser = ToolCallParser(fmt)
+            streamed, arguments, names = "", [""] * len(CALLS), [""] * len(CALLS)
+            for piece in [*pieces, None]:
+                more, deltas = parser.finish() if piece is None else parser.feed(piece)
+                streamed += more
+                for d in deltas:
+                    names[d.index] += d.name or ""
+                    arguments[d.index] += d.arguments
+            assert streamed == lead
+            assert list(zip(names, arguments, strict=True)) == CALLS
+            # no part of a call ever went out as content: content was final before the trigger arrived
+            assert fmt.trigger not in streamed
+
+
+def test_parser_keeps_plain_text_and_cut_calls() -> None:
+    fmt = FORMATS["hermes"]
+    parser = ToolCallParser(fmt)
+    assert parser.feed("a < b and <tool")[0] == "a < b and "  # "<tool" may still become the trigger
+    assert parser.feed("s> are fine")[0] == "<tools> are fine"
+    assert parser.finish() == ("", [])
+    cut = ToolCallParser(fmt)
+    cut.feed(fmt.begin("f") + '{"x": [1, 2')  # max_tokens hit inside the arguments
+    cut.finish()
+    assert [(c.name, c.arguments) for c in cut.calls] == [("f", '{"x": [1, 2')]
+    half = ToolCallParser(fmt)
+    assert half.feed("Hi <tool_call>\n{\"na")[0] == "Hi "
+    assert half.finish() == ("", [])  # a half-written call header is dropped, never shown as text
