@@ -4,6 +4,7 @@ and the tool-call parser (streamed in every possible split against the whole tex
 import json
 from typing import Any
 
+import jsonschema
 import pytest
 
 from model.structured_output import GrammarCache, GrammarError, GrammarSpec, check_schema, new_matcher, tokenizer_info
@@ -139,3 +140,47 @@ def test_parser_keeps_plain_text_and_cut_calls() -> None:
     half = ToolCallParser(fmt)
     assert half.feed("Hi <tool_call>\n{\"na")[0] == "Hi "
     assert half.finish() == ("", [])  # a half-written call header is dropped, never shown as text
+
+
+ENFORCED: dict[str, tuple[dict[str, Any], Any, Any]] = {  # keyword: (schema, a valid instance, an invalid one)
+    "const": ({"const": "a"}, "a", "b"),
+    "enum": ({"enum": ["a", 1]}, 1, 2),
+    "type list": ({"type": ["integer", "null"]}, None, "s"),
+    "oneOf": ({"oneOf": [{"type": "integer"}, {"type": "boolean"}]}, 1, "x"),
+    "allOf": ({"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}]},
+              {"a": 1}, {"b": 1}),
+    "prefixItems": ({"type": "array", "prefixItems": [{"type": "integer"}, {"type": "string"}], "items": False},
+                    [1, "a"], ["a", 1]),
+    "minItems": ({"type": "array", "items": {"type": "integer"}, "minItems": 2}, [1, 2], [1]),
+    "maxItems": ({"type": "array", "items": {"type": "integer"}, "maxItems": 1}, [1], [1, 2]),
+    "minLength": ({"type": "string", "minLength": 2}, "ab", "a"),
+    "maxLength": ({"type": "string", "maxLength": 2}, "ab", "abc"),
+    "pattern": ({"type": "string", "pattern": "^[a-c]+$"}, "abc", "abd"),
+    "minimum": ({"type": "integer", "minimum": 3}, 3, 2),
+    "maximum": ({"type": "number", "maximum": 1.5}, 1.25, 2.5),
+    "exclusiveMinimum": ({"type": "integer", "exclusiveMinimum": 3}, 4, 3),
+    "exclusiveMaximum": ({"type": "integer", "exclusiveMaximum": 3}, 2, 3),
+    "$ref": ({"$defs": {"x": {"type": "integer"}}, "type": "object", "properties": {"a": {"$ref": "#/$defs/x"}},
+              "required": ["a"]}, {"a": 1}, {"a": "s"}),
+    "additionalProperties": ({"type": "object", "additionalProperties": {"type": "integer"}}, {"x": 1}, {"x": "s"}),
+    "required": ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}, {"a": 1}, {}),
+    **{f"format {f}": ({"type": "string", "format": f}, good, "~~ not it ~~") for f, good in (
+        ("date", "2024-01-02"), ("time", "03:04:05Z"), ("date-time", "2024-01-02T03:04:05Z"), ("duration", "P1D"),
+        ("email", "a@b.co"), ("uuid", "123e4567-e89b-12d3-a456-426614174000"), ("ipv4", "1.2.3.4"),
+        ("ipv6", "::1"), ("hostname", "a.example"), ("uri", "https://a.b/c"), ("uri-reference", "/a"),
+        ("json-pointer", "/a/b"))},
+}
+
+
+@pytest.mark.parametrize("keyword", sorted(ENFORCED))
+def test_enforced_keywords_reject_what_jsonschema_rejects(cache: GrammarCache, keyword: str) -> None:
+    """The README's list of enforced keywords, checked against the jsonschema package's verdict."""
+    schema, good, bad = ENFORCED[keyword]
+    checker = jsonschema.Draft202012Validator(schema, format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
+    constraint = cache.compile(GrammarSpec.json_schema(schema))
+    for instance, valid in ((good, True), (bad, False)):
+        if not keyword.startswith("format"):  # jsonschema checks some formats only with optional packages
+            assert checker.is_valid(instance) == valid, instance
+        matcher = new_matcher(constraint)
+        accepted = matcher.accept_string(json.dumps(instance)) and matcher.accept_token(2) and matcher.is_terminated()
+        assert accepted == valid, (keyword, instance)
