@@ -17,7 +17,7 @@ from model.engine.block_manager import BlockManager
 from model.engine.model_runner import ModelRunner
 from model.engine.scheduler import Scheduler, SchedulerOutput
 from model.engine.sequence import SamplingParams, Sequence, StepOutput
-from model.structured_output import GrammarCache, new_matcher, tokenizer_info
+from model.structured_output import GrammarCache, GrammarError, new_matcher, tokenizer_info
 from model.tokenizer import Tokenizer
 
 log = logging.getLogger("llmserve.engine")
@@ -56,10 +56,7 @@ class Engine:
         self.tokenizer = tokenizer or Tokenizer.load(settings.model_path, settings.chat_template)
         self.runner = ModelRunner(settings, sorted(self.tokenizer.eos_token_ids))
         self.eos_token_ids = set(self.runner.eos_token_ids)  # one list for stopping and for min_tokens masking
-        self.grammars = GrammarCache(
-            tokenizer_info(self.tokenizer.hf, self.runner.config.vocab_size, self.runner.eos_token_ids),
-            settings.grammar_cache_size,
-        )
+        self._grammars: GrammarCache | None = None
         self.max_model_len = self.runner.max_model_len
         self.block_manager = BlockManager(self.runner.num_blocks, settings.block_size, settings.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, settings.max_num_seqs, settings.max_num_batched_tokens)
@@ -73,6 +70,22 @@ class Engine:
         self.generation_tokens_total = 0
         self.num_steps = 0
         self.step_records: list[StepRecord] | None = [] if record_steps else None
+
+    @property
+    def grammars(self) -> GrammarCache:
+        """Built on the first constrained request: start-up pays nothing for it. GrammarError when xgrammar cannot
+        read this tokenizer's vocabulary (a constrained request's 400; the rest serves on)."""
+        if self._grammars is None:
+            try:
+                info = tokenizer_info(self.tokenizer.hf, self.runner.config.vocab_size, self.runner.eos_token_ids)
+            except Exception as exc:  # noqa: BLE001 - any failure of the vocabulary conversion means the same
+                raise GrammarError(f"structured output is unavailable for this tokenizer: {exc}") from exc
+            self._grammars = GrammarCache(info, self.settings.grammar_cache_size)
+        return self._grammars
+
+    @property
+    def grammars_ready(self) -> bool:
+        return self._grammars is not None
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -141,9 +154,9 @@ class Engine:
             generation_tokens_total=self.generation_tokens_total,
             num_steps=self.num_steps,
             is_alive=self.is_alive,
-            grammar_cache_hits=self.grammars.hits,
-            grammar_cache_misses=self.grammars.misses,
-            grammar_cache_entries=len(self.grammars),
+            grammar_cache_hits=self._grammars.hits if self._grammars else 0,
+            grammar_cache_misses=self._grammars.misses if self._grammars else 0,
+            grammar_cache_entries=len(self._grammars) if self._grammars else 0,
         )
 
     # ---- worker thread ---------------------------------------------------------------------------------------

@@ -146,11 +146,13 @@ def submit(
 async def compile_constraint(ctx: Serving, spec: GrammarSpec, param: str) -> Constraint:
     """The compiled grammar: from the cache on the event loop, else compiled in the worker thread (a schema can take
     tens of milliseconds). A schema or grammar the backend cannot enforce is the client's 400, naming `param`."""
-    grammars = ctx.engine.engine.grammars
-    cached = grammars.lookup(spec)
-    if cached is not None:
-        return cached
+    engine = ctx.engine.engine
     try:
+        # the first constrained request builds xgrammar's vocabulary table (a fraction of a second): off the loop
+        grammars = engine.grammars if engine.grammars_ready else await ctx.tokenizer_worker.run(lambda: engine.grammars)
+        cached = grammars.lookup(spec)
+        if cached is not None:
+            return cached
         return await ctx.tokenizer_worker.run(grammars.compile, spec)
     except GrammarError as exc:
         raise APIError(400, str(exc), param=exc.param or param) from exc

@@ -2,6 +2,8 @@
 and the tool-call parser (streamed in every possible split against the whole text)."""
 
 import json
+import re
+from pathlib import Path
 from typing import Any
 
 import jsonschema
@@ -184,3 +186,28 @@ def test_enforced_keywords_reject_what_jsonschema_rejects(cache: GrammarCache, k
         matcher = new_matcher(constraint)
         accepted = matcher.accept_string(json.dumps(instance)) and matcher.accept_token(2) and matcher.is_terminated()
         assert accepted == valid, (keyword, instance)
+
+
+def test_sentencepiece_byte_fallback_vocabulary(tmp_path: Path) -> None:
+    """Llama 2 / Mistral / Gemma style vocabularies: '▁' is a space and <0xHH> pieces are single bytes."""
+    spm = pytest.importorskip("sentencepiece")
+    from transformers import LlamaTokenizer
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(["The quick brown fox. Café naïve 東京 🎉 1234 {\"a\": [1, 2]}"] * 50
+                                + [f"hello world {i}" for i in range(200)]))
+    spm.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(tmp_path / "tokenizer"), vocab_size=400,
+                                   hard_vocab_limit=False, byte_fallback=True, model_type="bpe",
+                                   character_coverage=1.0, minloglevel=2)
+    hf = LlamaTokenizer.from_pretrained(str(tmp_path))
+    pieces = spm.SentencePieceProcessor(model_file=str(tmp_path / "tokenizer.model"))
+    assert len(hf) == pieces.get_piece_size() > 300
+    decoded = tokenizer_info(hf, len(hf), [hf.eos_token_id]).decoded_vocab
+    for token_id in range(len(hf)):
+        piece = pieces.id_to_piece(token_id)
+        byte = re.fullmatch(r"<0x([0-9A-F]{2})>", piece)
+        if pieces.is_control(token_id) or pieces.is_unknown(token_id):
+            expected = piece.encode() if token_id == hf.eos_token_id else b""
+        else:
+            expected = bytes([int(byte.group(1), 16)]) if byte else piece.replace("▁", " ").encode()
+        assert decoded[token_id] == expected, (token_id, piece)
