@@ -11,15 +11,18 @@
      unconstrained    no grammar, EOS ignored, each stream's max_tokens = the length its shared-schema output had
                       in an untimed calibration pass (so both loads generate the same tokens per stream)
      shared schema    every stream the same schema, compiled before the timer starts (a cache hit)
-     16 schemas       a distinct, new schema per stream, compiled inside the timed window (16 cache misses,
-                      serially, before the first step: the engine cannot start until they are compiled here)
-     16 precompiled   distinct schemas again, compiled before the timer starts
+     16 schemas       a distinct, new schema per stream (the shared one with its properties renamed by synonyms,
+                      so outputs stay about as long), compiled inside the timed window: 16 cache misses,
+                      serially, before the first step (a server compiles in its routes, alongside the engine)
+     16 precompiled   new distinct schemas again, compiled before the timer starts
+   Constrained requests stop at the grammar's end (EOS); --max-tokens (128) only catches a runaway: a complete
+   object is ~70-95 tokens with this model, and one cut short is counted, not validated.
    The loads alternate in order over --rounds (forward, then reversed); the table shows medians. Output tok/s =
    generated tokens / (first add to last token); decode tok/s leaves out the steps until every stream had a token.
-3. Every finished constrained output is decoded and checked with `jsonschema`.
+3. Every finished constrained output is decoded and checked with `jsonschema` against its schema.
 4. A profile pass at --streams: perf_counter accumulators monkeypatched (here, not in the library) around the
    matcher's fill_next_token_bitmask / accept_token / is_terminated, the bitmask allocation and apply, the sampler
-   and the model runner, per decode step, constrained against unconstrained.
+   and the model runner, per engine step, for the shared-schema, distinct-schema and unconstrained loads.
 
 Flags after `--` are `llmserve serve` flags (Settings). On a shared 2-core machine compare rows of one run."""
 
@@ -54,27 +57,35 @@ from model.structured_output import GrammarSpec  # noqa: E402
 CLIMATES = ["arid", "temperate", "tropical", "continental", "polar", "mediterranean"]
 
 
-def city_schema(tag: str = "") -> dict:
-    """A typical response schema, every value bounded so a 135M model closes the object. `tag` renames the
-    properties (name -> name_<tag>), which makes a different spec: a cache miss and a different grammar."""
-    k = (lambda name: f"{name}_{tag}") if tag else (lambda name: name)
+# Property names by variant: schema `i` takes synonym (i // 3**k) % 3 for property k, so variants 0..728 are all
+# different specs (each a cache miss and a grammar of its own) whose JSON is about as long as variant 0's.
+SYNONYMS = [
+    ("name", "city", "title"), ("country", "nation", "state"), ("population", "inhabitants", "residents"),
+    ("climate", "weather", "zone"), ("landmarks", "sights", "attractions"), ("mayor", "leader", "governor"),
+]
+
+
+def city_schema(variant: int = 0) -> dict:
+    """A typical response schema, every value bounded so a 135M model closes the object; variant 0 is the shared
+    one, others rename its properties."""
+    name, country, population, climate, landmarks, mayor = (syn[(variant // 3**k) % 3] for k, syn in enumerate(SYNONYMS))
     short = {"type": "string", "minLength": 1, "maxLength": 12}
     return {
         "type": "object",
         "properties": {
-            k("name"): short,
-            k("country"): short,
-            k("population"): {"type": "integer", "minimum": 0, "maximum": 40_000_000},
-            k("climate"): {"type": "string", "enum": CLIMATES},
-            k("landmarks"): {"type": "array", "items": short, "minItems": 1, "maxItems": 2},
-            k("mayor"): {
+            name: short,
+            country: short,
+            population: {"type": "integer", "minimum": 0, "maximum": 40_000_000},
+            climate: {"type": "string", "enum": CLIMATES},
+            landmarks: {"type": "array", "items": short, "minItems": 1, "maxItems": 2},
+            mayor: {
                 "type": "object",
                 "properties": {"name": short, "since": {"type": "integer", "minimum": 1900, "maximum": 2026}},
                 "required": ["name", "since"],
                 "additionalProperties": False,
             },
         },
-        "required": [k(p) for p in ("name", "country", "population", "climate", "landmarks", "mayor")],
+        "required": [name, country, population, climate, landmarks, mayor],
         "additionalProperties": False,
     }
 
@@ -93,6 +104,7 @@ def city_prompts(engine: Engine, n: int) -> list[list[int]]:
 # ---- compile time ------------------------------------------------------------------------------------------------
 @dataclass(slots=True)
 class CompileTimes:
+    cache_build_ms: float | None  # the engine's GrammarCache (xgrammar's vocabulary view), built on first use
     first_in_process_ms: float
     first_use_ms: list[float]  # one per new schema
     lookup_hit_us: float  # GrammarCache.lookup of a cached spec
@@ -101,18 +113,21 @@ class CompileTimes:
 
 
 def measure_compile(engine: Engine, samples: int) -> CompileTimes:
+    ready = getattr(engine, "grammars_ready", True)  # the engine builds its cache on the first constrained request
+    started = time.perf_counter()
     cache = engine.grammars
+    build_ms = None if ready else 1e3 * (time.perf_counter() - started)
 
-    def compile_ms(tag: str) -> float:
-        spec = GrammarSpec.json_schema(city_schema(tag))
+    def compile_ms(variant: int) -> float:
+        spec = GrammarSpec.json_schema(city_schema(variant))
         assert cache.lookup(spec) is None, "expected a new spec"
         started = time.perf_counter()
         cache.compile(spec)
         return 1e3 * (time.perf_counter() - started)
 
-    first = compile_ms("warm")  # the process's first JSON-schema compile, shown apart in case it pays one-time costs
-    first_use = [compile_ms(f"c{i}") for i in range(samples)]
-    schema = city_schema("c0")
+    first = compile_ms(1)  # the process's first JSON-schema compile, shown apart in case it pays one-time costs
+    first_use = [compile_ms(2 + i) for i in range(samples)]
+    schema = city_schema(2)
     spec = GrammarSpec.json_schema(schema)
     reps = 2000
     started = time.perf_counter()
@@ -128,7 +143,7 @@ def measure_compile(engine: Engine, samples: int) -> CompileTimes:
     for _ in range(200):
         engine_module.new_matcher(constraint)
     matcher_us = 1e6 * (time.perf_counter() - started) / 200
-    return CompileTimes(first, first_use, lookup_us, request_us, matcher_us)
+    return CompileTimes(build_ms, first, first_use, lookup_us, request_us, matcher_us)
 
 
 # ---- loads -------------------------------------------------------------------------------------------------------
@@ -259,36 +274,36 @@ PROFILED = [  # (owner, attribute, label); the first three are what a constraint
 ]
 
 
-def profile(engine: Engine, prompts: list[list[int]], shared_params: Callable[[int], SamplingParams],
-            plain_params: Callable[[int], SamplingParams], schemas: list[dict | None]) -> None:
+def profile(engine: Engine, prompts: list[list[int]],
+            loads: list[tuple[str, Callable[[int], SamplingParams], list[dict | None]]]) -> None:
+    """One pass of each load with the accumulators in; ms per step of each wrapped call, load by load."""
     acc = Accumulators()
     for owner, attr, label in PROFILED:
         acc.wrap(owner, attr, label)
-    rows: dict[str, tuple[dict[str, float], dict[str, int], LevelResult]] = {}
+    rows: list[tuple[str, dict[str, float], dict[str, int], LevelResult]] = []
     try:
-        for name, make, sch in (("shared schema", shared_params, schemas), ("unconstrained", plain_params, [None] * len(prompts))):
+        for name, make, schemas in loads:
             acc.reset()
-            run = run_load(engine, f"profile-{name}", prompts, make, sch)
-            rows[name] = (dict(acc.seconds), dict(acc.calls), run.result)
+            run = run_load(engine, f"profile-{name}", prompts, make, schemas)
+            rows.append((name, dict(acc.seconds), dict(acc.calls), run.result))
     finally:
         acc.restore()
-    c_sec, c_calls, c_res = rows["shared schema"]
-    u_sec, _, u_res = rows["unconstrained"]
-    print(f"\n## Where a constraint's time goes: {len(prompts)} streams, one profile pass each (perf_counter around calls)\n")
-    print(f"steps: constrained {c_res.steps}, unconstrained {u_res.steps}; wall ms/step {1e3 * c_res.seconds / c_res.steps:.1f} "
-          f"vs {1e3 * u_res.seconds / u_res.steps:.1f}\n")
-    print("| call | constrained ms/step | unconstrained ms/step | calls/step | µs/call |")
-    print("|---|---:|---:|---:|---:|")
+    print(f"\n## Where a constraint's time goes: {len(prompts)} streams, one pass of each load, ms per engine step "
+          "(perf_counter around each call)\n")
+    print("| call | " + " | ".join(name for name, *_ in rows) + " | µs/call (first load) |")
+    print("|---|" + "---:|" * (len(rows) + 1))
     for _, _, label in PROFILED:
-        s, calls = c_sec.get(label, 0.0), c_calls.get(label, 0)
-        print(f"| {label} | {1e3 * s / c_res.steps:.2f} | {1e3 * u_sec.get(label, 0.0) / u_res.steps:.2f} | "
-              f"{calls / c_res.steps:.1f} | {1e6 * s / max(calls, 1):.0f} |")
-    grammar = sum(c_sec.get(k, 0.0) for k in ("fill_next_token_bitmask", "apply_penalties (logits clone + mask)",
-                                              "accept_token", "is_terminated", "allocate_token_bitmask"))
-    step_c, step_u = c_sec["Engine.step"] / c_res.steps, u_sec["Engine.step"] / u_res.steps
-    print(f"\nconstraint work (fill + alloc + clone/apply + accept + is_terminated): {1e3 * grammar / c_res.steps:.2f} ms/step "
-          f"= {100 * grammar / c_sec['Engine.step']:.0f} % of a constrained step; Engine.step {1e3 * step_c:.1f} vs "
-          f"{1e3 * step_u:.1f} ms unconstrained ({1e3 * (step_c - step_u):+.1f} ms)")
+        cells = [f"{1e3 * sec.get(label, 0.0) / res.steps:.2f}" for _, sec, _, res in rows]
+        _, sec, calls, _ = rows[0]
+        print(f"| {label} | " + " | ".join(cells) + f" | {1e6 * sec.get(label, 0.0) / max(calls.get(label, 0), 1):.0f} |")
+    print("| steps (tokens/req mean) | " + " | ".join(f"{res.steps} ({res.output_tokens / res.concurrency:.0f})" for *_, res in rows) + " | |")
+    grammar_calls = ("fill_next_token_bitmask", "apply_penalties (logits clone + mask)", "accept_token", "is_terminated",
+                     "allocate_token_bitmask")
+    print()
+    for name, sec, calls, res in rows:
+        grammar = sum(sec.get(k, 0.0) for k in grammar_calls)
+        print(f"{name}: constraint work (fill + alloc + clone/apply + accept + is_terminated) {1e3 * grammar / res.steps:.2f} "
+              f"ms/step = {100 * grammar / sec['Engine.step']:.0f} % of Engine.step ({1e3 * sec['Engine.step'] / res.steps:.1f} ms)")
 
 
 # ---- main --------------------------------------------------------------------------------------------------------
@@ -298,7 +313,7 @@ def main() -> None:
     own = argv[: argv.index("--")] if "--" in argv else argv
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--streams", type=int, default=16, help="concurrent requests per load")
-    parser.add_argument("--max-tokens", type=int, default=80, help="max_tokens of a constrained request (a complete object is ~45-70)")
+    parser.add_argument("--max-tokens", type=int, default=128, help="max_tokens of a constrained request (a complete object is ~50-90 tokens)")
     parser.add_argument("--rounds", type=int, default=2, help="times every load runs (order alternates); medians reported")
     parser.add_argument("--temperature", type=float, default=0.7, help="0 = greedy; otherwise seeded per stream")
     parser.add_argument("--compile-samples", type=int, default=8, help="new schemas timed for first-use compile")
@@ -321,6 +336,8 @@ def main() -> None:
     ct = measure_compile(engine, args.compile_samples)
     print(f"## Schema compile (6 properties, nested object; grammar cache of {settings.grammar_cache_size})\n")
     print("| | ms |\n|---|---:|")
+    if ct.cache_build_ms is not None:
+        print(f"| grammar cache built (the first constrained request only: tokenizer info for xgrammar) | {ct.cache_build_ms:.0f} |")
     print(f"| first JSON-schema compile in the process | {ct.first_in_process_ms:.1f} |")
     print(f"| first use of a new schema, median of {len(ct.first_use_ms)} (min-max) | {statistics.median(ct.first_use_ms):.1f} "
           f"({min(ct.first_use_ms):.1f}-{max(ct.first_use_ms):.1f}) |")
@@ -357,6 +374,7 @@ def main() -> None:
 
     loads = ["unconstrained", "shared schema", f"{n} schemas, compiled in load", f"{n} schemas, precompiled"]
     runs: dict[str, list[LoadRun]] = {name: [] for name in loads}
+    next_variant = 2 + args.compile_samples  # variants 1.. went to the compile timings; each load takes new ones
     checks: dict[str, Validation] = {name: Validation() for name in loads[1:]}
     for r in range(args.rounds):
         order = loads if r % 2 == 0 else loads[::-1]
@@ -368,7 +386,8 @@ def main() -> None:
                 make, schemas = shared_params, [shared_schema] * n
             else:
                 precompiled = name.endswith("precompiled")
-                schemas = [city_schema(f"{'p' if precompiled else 'm'}{r}{chr(97 + i % 26)}{i // 26}") for i in range(n)]
+                schemas = [city_schema(next_variant + i) for i in range(n)]
+                next_variant += n
                 specs = [GrammarSpec.json_schema(s) for s in schemas]
                 assert all(engine.grammars.lookup(s) is None for s in specs)
                 if precompiled:
@@ -396,11 +415,11 @@ def main() -> None:
         dec = statistics.median(x.result.decode_tps for x in rs)
         ms = statistics.median(x.result.ms_per_decode_step for x in rs)
         toks = statistics.mean(x.result.output_tokens for x in rs) / n
-        lim = sum(f == "length" for x in rs for f in x.finish)
+        lim = "- (matched)" if name == "unconstrained" else f"{sum(f == 'length' for x in rs for f in x.finish)}/{n * len(rs)}"
         cmp_ms = statistics.median(x.compile_ms for x in rs)
         v = checks.get(name)
         valid = f"{v.valid}/{v.finished}" if v else "-"
-        print(f"| {name} | {toks:.1f} | {lim}/{n * len(rs)} | {valid} | {cmp_ms:.0f} | {tps:.1f} | {dec:.1f} | {ms:.1f} | "
+        print(f"| {name} | {toks:.1f} | {lim} | {valid} | {cmp_ms:.0f} | {tps:.1f} | {dec:.1f} | {ms:.1f} | "
               f"{tps / base:.2f}x | {dec / base_dec:.2f}x |")
     ratio = statistics.median(x.result.output_tps for x in runs["shared schema"]) / base
     print(f"\nissue 14 goal: {n} streams, cached schema >= 0.9x unconstrained -> {ratio:.2f}x, "
@@ -416,7 +435,17 @@ def main() -> None:
 
     # 4. profile
     if not args.no_profile:
-        profile(engine, prompts, shared_params, plain_params, [shared_schema] * n)
+        schemas = [city_schema(next_variant + i) for i in range(n)]
+        specs = [engine.grammars.compile(GrammarSpec.json_schema(x)).spec for x in schemas]
+
+        def distinct_params(i: int) -> SamplingParams:
+            return params(i, args.max_tokens, engine.grammars.compile(specs[i]))
+
+        profile(engine, prompts, [
+            ("shared schema", shared_params, [shared_schema] * n),
+            (f"{n} schemas, precompiled", distinct_params, schemas),
+            ("unconstrained", plain_params, [None] * n),
+        ])
 
 
 def xgrammar_version() -> str:

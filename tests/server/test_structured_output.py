@@ -296,3 +296,18 @@ def test_generated_schemas_over_http(client: openai.OpenAI, schema: dict[str, An
     for text, reason in zip(texts, finish, strict=True):
         if reason == "stop":
             jsonschema.validate(json.loads(text), schema)
+
+
+class GetWeather(BaseModel):
+    city: str = Field(max_length=30)
+    unit: str = Field(pattern="^(celsius|fahrenheit)$")
+
+
+def test_parse_with_a_pydantic_function_tool(client: openai.OpenAI) -> None:
+    """The SDK's strict function tools: parsed_arguments come back as the model class."""
+    completion = client.chat.completions.parse(model=MODEL, messages=ASK, tools=[openai.pydantic_function_tool(GetWeather)],
+                                               tool_choice="required", parallel_tool_calls=False, max_tokens=80,
+                                               temperature=0.7, seed=3)
+    calls = completion.choices[0].message.tool_calls or []
+    assert calls and completion.choices[0].finish_reason == "tool_calls"
+    assert all(isinstance(call.function.parsed_arguments, GetWeather) for call in calls)
