@@ -434,6 +434,7 @@ class TokenizeRequest(OpenAIModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
+    tools: list[ChatTool] | None = None  # rendered as a chat request with these tools would render them
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 

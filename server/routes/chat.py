@@ -45,14 +45,18 @@ router = APIRouter(responses=ERROR_RESPONSES)
 _STREAM_DOC: dict[int | str, dict[str, Any]] = {200: {"content": {"text/event-stream": {}}, "description": "JSON, or SSE when stream"}}
 
 
-async def render_prompt(ctx: Serving, body: ChatCompletionRequest, tools: list[dict[str, Any]] | None,
-                        setup: ToolSetup) -> list[int]:
+def tools_for(ctx: Serving) -> ToolSetup:
+    return tool_setup(ctx.tokenizer.hf.chat_template, ctx.settings.tool_call_parser)
+
+
+async def render_prompt(ctx: Serving, body: ChatCompletionRequest, tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """The prompt's token ids; `tools` (checked dicts) go into the template when the model may call them."""
     kwargs = dict(body.chat_template_kwargs or {})
     for reserved in ("messages", "add_generation_prompt", "continue_final_message", "tokenize", "tools"):
         if reserved in kwargs:
             raise bad_request(f"chat_template_kwargs may not set {reserved!r}", param="chat_template_kwargs")
     try:
-        messages, tool_kwargs = template_messages(body.template_messages(), tools, setup)
+        messages, tool_kwargs = template_messages(body.template_messages(), tools, tools_for(ctx))
         kwargs.update(tool_kwargs)
         prompt = await ctx.tokenize(
             sum(len(m["content"]) for m in messages),
@@ -81,7 +85,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     body.check_supported()
     body.check_token_ids(ctx.tokenizer.vocab_size)
     stop = body.stop_strings()
-    setup = tool_setup(ctx.tokenizer.hf.chat_template, ctx.settings.tool_call_parser)
+    setup = tools_for(ctx)
     tools, tool_choice = body.tool_dicts(), body.tool_choice_name()
     constraint = body.grammar_spec()
     if tools and tool_choice != "none":
@@ -90,7 +94,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
                               'is "none"', constraint[1])
         parallel = body.parallel_tool_calls is not False
         constraint = GrammarSpec("structural_tag", structural_tag(tools, tool_choice, parallel, setup.format)), "tools"
-    prompt = await render_prompt(ctx, body, tools if tool_choice != "none" else None, setup)
+    prompt = await render_prompt(ctx, body, tools if tool_choice != "none" else None)
     params = body.to_sampling_params(len(prompt), ctx.max_model_len)
     if constraint is not None:
         params.constraint = await compile_constraint(ctx, *constraint)
