@@ -2,7 +2,6 @@
 by Playwright. Playwright never downloads a browser here: it launches the system Chromium by path. Without
 Chromium or Playwright the tests skip and say which is missing (`make test` installs Chromium when run as root)."""
 
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -11,6 +10,7 @@ import pytest
 
 from config.settings import Settings
 from model.tokenizer import Tokenizer
+from tests.browser.chromium import find_chromium
 from tests.server.harness import API_KEY, LiveServer, start_server, stop_server
 
 if TYPE_CHECKING:
@@ -19,14 +19,6 @@ if TYPE_CHECKING:
     from tests.browser.page import PageProblems
 
 NO_PLAYWRIGHT = "the playwright package is not installed (pip install -e '.[dev]')"
-
-
-def find_chromium() -> str | None:
-    """The real binary first: Debian's /usr/bin/chromium is a shell wrapper around it."""
-    binary = Path("/usr/lib/chromium/chromium")
-    if binary.exists():
-        return str(binary)
-    return shutil.which("chromium") or shutil.which("chromium-browser")
 
 
 @pytest.fixture(scope="package")
