@@ -215,10 +215,12 @@ function bindSettings() {
   });
 }
 
-function toggleSettings(open) {
+/** `forKey`: opened because the server wants a key, so the cursor goes to that field (not otherwise: on a phone it
+ * would pop up the keyboard). */
+function toggleSettings(open, forKey = false) {
   $("settings").hidden = !open;
   $("toggle-settings").setAttribute("aria-expanded", String(open));
-  if (open) $("settings-form").elements.apiKey.focus();
+  if (open && forKey) $("settings-form").elements.apiKey.focus();
 }
 
 async function refreshModels() {
@@ -289,7 +291,7 @@ function bindEvents() {
   $("toggle-settings").addEventListener("click", () => toggleSettings($("settings").hidden));
   $("close-settings").addEventListener("click", () => toggleSettings(false));
   $("banner").addEventListener("click", () => {
-    if ($("banner").classList.contains("needs-key")) toggleSettings(true);
+    if ($("banner").classList.contains("needs-key")) toggleSettings(true, true);
   });
 }
 
