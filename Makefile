@@ -7,7 +7,7 @@ PORT ?= 8000
 ARGS ?=
 DEFAULT_MODEL := models/SmolLM2-135M-Instruct.Q4_1.gguf
 
-.PHONY: install model serve test bench clean
+.PHONY: install model chromium serve test bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,8 +27,12 @@ model: $(DEFAULT_MODEL)
 serve: install model
 	$(VENV)/bin/llmserve serve --host $(HOST) --port $(PORT) $(ARGS)
 
-test: install model
-	$(PY) -m pytest -q -x -p no:cacheprovider tests
+# Debian's Chromium for the browser tests; without it (not root, no apt-get) they skip and say why.
+chromium:
+	bash scripts/ensure-chromium.sh
+
+test: install model chromium
+	$(PY) -m pytest -q -x -rs -p no:cacheprovider tests
 
 bench: install model
 	$(PY) bench/serve_bench.py --spawn --server-args "$(ARGS)" --concurrency 1 4 16 32 64 --out bench/RESULTS.md

@@ -48,6 +48,7 @@ class Settings(BaseSettings):
     max_request_bytes: int = Field(2 * 1024 * 1024, description="largest request body; past it 413")
     shutdown_timeout: float = Field(30.0, description="seconds SIGTERM waits for in-flight requests")
     log_level: str = Field("info", description="uvicorn and llmserve log level")
+    webui: bool = Field(True, description="serve the chat page at /")
 
     @property
     def model_path(self) -> Path:

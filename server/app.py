@@ -23,6 +23,7 @@ from server.middleware import FrontDoor
 from server.routes import chat, completions, models, ops, tokenize
 from server.routes.common import TokenizerWorker, fingerprint
 from server.routes.ops import server_version
+from server.webui import install_webui
 
 if TYPE_CHECKING:
     from model.engine.engine import Engine, EngineStats
@@ -133,6 +134,8 @@ def create_app(
     install_error_handlers(app)
     for module in (chat, completions, models, tokenize, ops):
         app.include_router(module.router)
+    if settings.webui:
+        install_webui(app)
     app.add_middleware(FrontDoor, state=state)
     if settings.allowed_origins:  # added last = outermost, so preflights never meet the API key check
         app.add_middleware(CORSMiddleware, allow_origins=settings.allowed_origins, allow_methods=["*"],

@@ -15,7 +15,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from server.errors import APIError
 
 access_log = logging.getLogger("llmserve.access")
-_OPEN_PATHS = frozenset({"/health"})  # no key needed: load balancers probe it
+_OPEN_PATHS = frozenset({"/health", "/"})  # no key needed: load balancers probe /health; / is the chat page
+_OPEN_PREFIXES = ("/static/",)  # the chat page's files, which hold no secrets; the page sends the key on API calls
 
 
 class FrontDoor:
@@ -66,7 +67,7 @@ class FrontDoor:
         if self.state.draining:
             self.state.metrics.reject(503)
             return APIError(503, "the server is shutting down", code="shutting_down", headers={"Retry-After": "5"})
-        if settings.api_key and scope["path"] not in _OPEN_PATHS and scope["method"] != "OPTIONS":
+        if settings.api_key and not _is_open(scope["path"]) and scope["method"] != "OPTIONS":
             given = headers.get("authorization", "")
             scheme, _, key = given.partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), settings.api_key.encode()):
@@ -76,6 +77,10 @@ class FrontDoor:
         if length is not None and length.isdigit() and int(length) > settings.max_request_bytes:
             return APIError(413, f"request body exceeds {settings.max_request_bytes} bytes", code="request_too_large")
         return None
+
+
+def _is_open(path: str) -> bool:
+    return path in _OPEN_PATHS or path.startswith(_OPEN_PREFIXES)
 
 
 async def _read_body(receive: Receive, limit: int) -> tuple[bytes, bool]:
