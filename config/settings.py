@@ -33,6 +33,10 @@ class Settings(BaseSettings):
     max_num_batched_tokens: int = Field(256, description="most tokens (prefill + decode) in one step; smaller keeps running streams flowing during long prompts")
     enable_prefix_caching: bool = Field(True, description="reuse KV blocks of earlier prompts with the same prefix")
 
+    speculative_config: str = Field(
+        "", description='speculative decoding, vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 1}; empty = off')
+
     # Structured output and tools
     grammar_cache_size: int = Field(256, description="compiled grammars (JSON schemas, regexes, tool sets) kept, least recently used evicted")
     tool_call_parser: Literal["auto", "hermes", "llama3_json", "mistral"] = Field(

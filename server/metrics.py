@@ -59,6 +59,11 @@ class _EngineCollector(Collector):
         yield counter("llmserve:grammar_cache_hits", "Constraints (schemas, regexes, tool sets) found compiled.", stats.grammar_cache_hits)
         yield counter("llmserve:grammar_cache_misses", "Constraints compiled on first use.", stats.grammar_cache_misses)
         yield gauge("llmserve:grammar_cache_entries", "Compiled grammars kept.", stats.grammar_cache_entries)
+        yield counter("vllm:spec_decode_num_drafts", "Sequence-steps with proposed tokens checked.", stats.spec_drafts)
+        yield counter("vllm:spec_decode_num_draft_tokens", "Proposed tokens checked.", stats.spec_draft_tokens)
+        yield counter("vllm:spec_decode_num_accepted_tokens", "Proposed tokens accepted.", stats.spec_accepted_tokens)
+        yield gauge("llmserve:spec_decode_acceptance_rate", "Accepted over proposed tokens since start.",
+                    stats.spec_accepted_tokens / max(stats.spec_draft_tokens, 1))
         yield gauge("llmserve:engine_alive", "1 while the engine worker thread runs.", 1.0 if stats.is_alive else 0.0)
 
 

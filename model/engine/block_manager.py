@@ -103,6 +103,17 @@ class BlockManager:
                 self.hash_to_block.setdefault(block.hash, block.block_id)
             prev = block.hash
 
+    def trim(self, seq: Sequence) -> None:
+        """Give back the blocks past the sequence's computed tokens: after speculation, rejected proposals' KV."""
+        keep = self.blocks_needed(seq.num_computed_tokens)
+        while len(seq.block_table) > keep:
+            block = self.blocks[seq.block_table.pop()]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._evict(block)
+                self.free[block.block_id] = None
+                self.free.move_to_end(block.block_id, last=False)
+
     def free_sequence(self, seq: Sequence) -> None:
         # Reversed so a sequence's tail is evicted before its (more shareable) head.
         for block_id in reversed(seq.block_table):

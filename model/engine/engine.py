@@ -17,6 +17,7 @@ from model.engine.block_manager import BlockManager
 from model.engine.model_runner import ModelRunner
 from model.engine.scheduler import Scheduler, SchedulerOutput
 from model.engine.sequence import SamplingParams, Sequence, StepOutput
+from model.engine.speculative import NgramProposer, SpeculativeConfig
 from model.structured_output import GrammarCache, GrammarError, new_matcher, tokenizer_info
 from model.tokenizer import Tokenizer
 
@@ -40,6 +41,9 @@ class EngineStats:
     grammar_cache_hits: int = 0
     grammar_cache_misses: int = 0
     grammar_cache_entries: int = 0
+    spec_drafts: int = 0  # steps in which a sequence had proposals checked
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -57,6 +61,9 @@ class Engine:
         self.runner = ModelRunner(settings, sorted(self.tokenizer.eos_token_ids))
         self.eos_token_ids = set(self.runner.eos_token_ids)  # one list for stopping and for min_tokens masking
         self._grammars: GrammarCache | None = None
+        self.speculative = SpeculativeConfig.parse(settings.speculative_config)
+        self.proposer = NgramProposer(self.speculative) if self.speculative is not None else None
+        self.spec_drafts = self.spec_draft_tokens = self.spec_accepted_tokens = 0
         self.max_model_len = self.runner.max_model_len
         self.block_manager = BlockManager(self.runner.num_blocks, settings.block_size, settings.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, settings.max_num_seqs, settings.max_num_batched_tokens)
@@ -157,6 +164,9 @@ class Engine:
             grammar_cache_hits=self._grammars.hits if self._grammars else 0,
             grammar_cache_misses=self._grammars.misses if self._grammars else 0,
             grammar_cache_entries=len(self._grammars) if self._grammars else 0,
+            spec_drafts=self.spec_drafts,
+            spec_draft_tokens=self.spec_draft_tokens,
+            spec_accepted_tokens=self.spec_accepted_tokens,
         )
 
     # ---- worker thread ---------------------------------------------------------------------------------------
@@ -202,8 +212,23 @@ class Engine:
         self.prompt_tokens_total += seq.num_prompt_tokens
         self.scheduler.add(seq)
 
+    def _propose(self) -> None:
+        """Proposed next tokens for each decoding sequence, while the batch is small enough for them to pay."""
+        if self.proposer is None or self.speculative is None:
+            return
+        running = self.scheduler.running
+        if len(running) > self.speculative.max_batch_size:
+            return
+        for seq in running:
+            if seq.num_computed_tokens != len(seq) - 1:
+                continue  # still in its prompt
+            # room for every proposal and the token after them, within max_tokens and the context
+            limit = min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - len(seq)) - 1
+            seq.spec_token_ids = self.proposer.propose(seq.token_ids, limit)
+
     def step(self) -> list[StepOutput]:
         """Schedule, run the model once, and return what each sampling sequence produced."""
+        self._propose()
         sched: SchedulerOutput = self.scheduler.schedule()
         self.num_steps += 1
         if self.step_records is not None:
@@ -216,19 +241,28 @@ class Engine:
                 s.seq.first_scheduled_time = now
         generators = [self._generators.get(s.seq.request_id) for s in sched.scheduled if s.samples]
         result = self.runner.run(sched.scheduled, generators)
-        token_ids = result.token_ids.tolist() if result is not None else []
-        rows = self.scheduler.postprocess(sched, token_ids)
+        sampled = result.tokens if result is not None else []
+        rows = self.scheduler.postprocess(sched, sampled)
         outputs = []
         for i, s in enumerate(rows):
-            seq = s.seq
-            token = seq.token_ids[-1]
-            self.generation_tokens_total += 1
-            reason = self._finish_reason(seq, token)
+            seq, new = s.seq, sampled[i]
+            if s.num_spec:
+                self.spec_drafts += 1
+                self.spec_draft_tokens += s.num_spec
+                self.spec_accepted_tokens += len(new) - 1
+            reason = None
+            for j, token in enumerate(new):  # the first token that ends the sequence drops the ones after it
+                reason = self._finish_reason(seq, token, len(seq) - len(new) + j + 1)
+                if reason is not None:
+                    del seq.token_ids[len(seq) - len(new) + j + 1:]
+                    new = new[: j + 1]
+                    break
+            self.generation_tokens_total += len(new)
             logprobs = None
-            if result is not None and result.logprobs is not None and result.logprobs[i] is not None:
-                logprobs = [result.logprobs[i]]
-            out = StepOutput(seq.request_id, [token], reason, logprobs, seq.num_prompt_tokens, seq.num_cached_tokens)
-            if seq.num_output_tokens == 1 and seq.first_scheduled_time is not None:
+            if result is not None and result.logprobs is not None and result.logprobs[i]:
+                logprobs = result.logprobs[i][: len(new)]
+            out = StepOutput(seq.request_id, new, reason, logprobs, seq.num_prompt_tokens, seq.num_cached_tokens)
+            if seq.num_output_tokens == len(new) and seq.first_scheduled_time is not None:
                 out.queue_time = seq.first_scheduled_time - seq.arrival_time
             outputs.append(out)
             if reason is not None:
@@ -237,17 +271,19 @@ class Engine:
                 self._generators.pop(seq.request_id, None)
         return outputs
 
-    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+    def _finish_reason(self, seq: Sequence, token: int, length: int) -> str | None:
+        """Whether `token`, the sequence's token number `length`, ends it."""
         p = seq.params
+        num_output = length - seq.num_prompt_tokens
         if seq.matcher is not None:
             if not seq.matcher.accept_token(token):  # the bitmask allowed only tokens the matcher accepts
                 log.error("request %s: grammar rejected sampled token %d; finishing it", seq.request_id, token)
                 return "stop"
             if seq.matcher.is_terminated():  # the grammar is complete and its stop token was sampled
                 return "stop"
-        if seq.num_output_tokens >= p.min_tokens:
+        if num_output >= p.min_tokens:
             if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
                 return "stop"
-        if seq.num_output_tokens >= p.max_tokens or len(seq) >= self.max_model_len:
+        if num_output >= p.max_tokens or length >= self.max_model_len:
             return "length"
         return None

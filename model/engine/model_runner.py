@@ -4,6 +4,7 @@ import logging
 import shutil
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -14,14 +15,23 @@ from model.batch import Batch
 from model.config import ModelConfig
 from model.decoder import Decoder
 from model.engine.scheduler import ScheduledSeq
-from model.engine.sequence import SamplingParams, Sequence
+from model.engine.sequence import SamplingParams, Sequence, TokenLogprob
 from model.layers.attention import flash_attn_usable
 from model.layers.linear import onednn_usable, pack_linears
 from model.layers.quantization import quantize
-from model.layers.sampler import Sampler, SamplerOutput, SamplingBatch
+from model.layers.sampler import Sampler, SamplingBatch
 from model.loaders import load_config, read_weights
 
 log = logging.getLogger("llmserve.model_runner")
+
+@dataclass(slots=True)
+class StepSample:
+    """What one step sampled: per sampling row, its new tokens (several when proposals were accepted) and, where
+    asked, their logprobs."""
+
+    tokens: list[list[int]]
+    logprobs: list[list[TokenLogprob]] | None = None
+
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -161,14 +171,15 @@ class ModelRunner:
         for s in scheduled:
             seq, start = s.seq, s.seq.num_computed_tokens
             end = start + s.num_tokens
-            input_ids.extend(seq.token_ids[start:end])
+            input_ids.extend(seq.token_ids[start:end - s.num_spec])
+            input_ids.extend(seq.spec_token_ids[:s.num_spec])
             positions.extend(range(start, end))
             table = seq.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             query_lens.append(s.num_tokens)
             context_lens.append(end)
-            if s.samples:
-                logits_indices.append(len(input_ids) - 1)
+            if s.samples:  # a row with proposals needs logits at the last real token and at each proposal
+                logits_indices.extend(range(len(input_ids) - 1 - s.num_spec, len(input_ids)))
         max_blocks = max(len(s.seq.block_table) for s in scheduled)
         tables = [s.seq.block_table + [-1] * (max_blocks - len(s.seq.block_table)) for s in scheduled]
         num_decode = 0
@@ -204,10 +215,11 @@ class ModelRunner:
         return batch
 
     @torch.inference_mode()
-    def run(self, scheduled: list[ScheduledSeq], generators: list[torch.Generator | None]) -> SamplerOutput | None:
-        """One forward over all scheduled tokens; sample one token for each row that reached its end."""
+    def run(self, scheduled: list[ScheduledSeq], generators: list[torch.Generator | None]) -> StepSample | None:
+        """One forward over all scheduled tokens; for each row that reached its end, the tokens it produced: one,
+        or, for a row with proposals, the proposals the target agrees with and the target's next token."""
         batch = self.prepare(scheduled)
-        rows = [s.seq for s in scheduled if s.samples]
+        rows = [s for s in scheduled if s.samples]
         if self.compiled_one_row is not None and batch.num_seqs == batch.num_decode == 1:
             logits = self.compiled_one_row(batch)
         else:
@@ -218,19 +230,71 @@ class ModelRunner:
             if not rows:
                 return None
             logits = self.decoder.compute_logits(hidden)
+        # one sampling row per logits row: a row with proposals expands to one per position, each seeing the
+        # proposals before it as its output so far (penalties, min_tokens, grammar state)
+        seqs: list[Sequence] = []
+        outputs: list[list[int]] = []
+        row_generators: list[torch.Generator | None] = []
+        for s, generator in zip(rows, generators, strict=True):
+            out = s.seq.output_token_ids
+            for i in range(s.num_spec + 1):
+                seqs.append(s.seq)
+                outputs.append(out + s.seq.spec_token_ids[:i])
+                row_generators.append(generator)
+        # a seeded row draws one number per position: remember where its generator stood, so that it can be
+        # rewound to one draw per token actually output, as without speculation
+        saved = {id(g): g.get_state() for s, g in zip(rows, generators, strict=True) if g is not None and s.num_spec}
         sampling = SamplingBatch.build(
-            [seq.params for seq in rows],
-            [seq.prompt_token_ids for seq in rows],
-            [seq.output_token_ids for seq in rows],
-            generators,
+            [seq.params for seq in seqs],
+            [seq.prompt_token_ids for seq in seqs],
+            outputs,
+            row_generators,
             self.eos_token_ids,
             self.config.vocab_size,
             self.device,
         )
-        constrained = [i for i, seq in enumerate(rows) if seq.matcher is not None]
-        if constrained:
-            bitmask = xgrammar.allocate_token_bitmask(len(rows), self.config.vocab_size)  # all allowed
-            for i in constrained:
-                rows[i].matcher.fill_next_token_bitmask(bitmask, i)  # type: ignore[union-attr]
-            sampling.token_bitmask = (bitmask.to(self.device, non_blocking=True), constrained)
-        return self.sampler(logits, sampling)
+        if any(seq.matcher is not None for seq in seqs):
+            sampling.token_bitmask = self._grammar_bitmask(rows)
+        result = self.sampler(logits, sampling)
+        sampled = result.token_ids.tolist()
+        tokens: list[list[int]] = []
+        logprobs: list[list[TokenLogprob]] | None = [] if result.logprobs is not None else None
+        at = 0
+        for s, generator in zip(rows, generators, strict=True):
+            proposals = s.seq.spec_token_ids[:s.num_spec]
+            accepted = 0
+            while accepted < len(proposals) and sampled[at + accepted] == proposals[accepted]:
+                accepted += 1
+            tokens.append(sampled[at:at + accepted + 1])
+            if logprobs is not None and result.logprobs is not None:
+                logprobs.append([lp for lp in result.logprobs[at:at + accepted + 1] if lp is not None])
+            if generator is not None and s.num_spec:
+                generator.set_state(saved[id(generator)])
+                for _ in range(accepted + 1):
+                    torch.rand(1, dtype=torch.float64, generator=generator, device=generator.device)
+            at += len(proposals) + 1
+        return StepSample(tokens, logprobs)
+
+    def _grammar_bitmask(self, rows: list[ScheduledSeq]) -> tuple[torch.Tensor, list[int]]:
+        """Allowed tokens of every sampling row of a constrained sequence; a row with proposals walks its matcher
+        through them (and back) to get each position's mask."""
+        num_rows = sum(s.num_spec + 1 for s in rows)
+        bitmask = xgrammar.allocate_token_bitmask(num_rows, self.config.vocab_size)  # all allowed
+        constrained: list[int] = []
+        at = 0
+        for s in rows:
+            matcher = s.seq.matcher
+            if matcher is not None:
+                walked = 0
+                for i in range(s.num_spec + 1):
+                    matcher.fill_next_token_bitmask(bitmask, at + i)
+                    constrained.append(at + i)
+                    if i == s.num_spec or not matcher.accept_token(s.seq.spec_token_ids[i]):
+                        break  # later positions cannot be accepted anyway: the proposal breaks the grammar here
+                    walked += 1
+                    if matcher.is_terminated():
+                        break
+                if walked:
+                    matcher.rollback(walked)
+            at += s.num_spec + 1
+        return bitmask.to(self.device, non_blocking=True), constrained

@@ -14,12 +14,13 @@ from model.engine.sequence import Sequence, SequenceStatus
 @dataclass(slots=True)
 class ScheduledSeq:
     seq: Sequence
-    num_tokens: int  # new tokens computed this step (1 = decode)
+    num_tokens: int  # new tokens computed this step (1 = decode), proposed ones included
+    num_spec: int = 0  # of those, proposed tokens (seq.spec_token_ids[:num_spec]) to verify
 
     @property
     def samples(self) -> bool:
         """Whether this step reaches the end of the sequence's tokens, so it produces the next token."""
-        return self.seq.num_computed_tokens + self.num_tokens == len(self.seq)
+        return self.seq.num_computed_tokens + self.num_tokens - self.num_spec == len(self.seq)
 
 
 @dataclass(slots=True)
@@ -59,6 +60,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.block_manager.free_sequence(seq)  # full blocks stay hashed, so the recompute mostly hits the cache
+        seq.spec_token_ids = []
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
@@ -73,6 +75,12 @@ class Scheduler:
             n = min(len(seq) - seq.num_computed_tokens, budget)
             if n <= 0:
                 continue
+            spec = 0
+            if seq.spec_token_ids and n == len(seq) - seq.num_computed_tokens:  # proposals count in the budget
+                spec = min(len(seq.spec_token_ids), budget - n)
+                if spec and not bm.can_append(seq, n + spec):
+                    spec = 0  # no room to check proposals: decode plainly rather than preempt anyone for them
+                n += spec
             while not bm.can_append(seq, n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -82,7 +90,7 @@ class Scheduler:
             if seq.status != SequenceStatus.RUNNING:
                 continue
             bm.append(seq, n)
-            out.scheduled.append(ScheduledSeq(seq, n))
+            out.scheduled.append(ScheduledSeq(seq, n, spec))
             budget -= n
 
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.num_preempted:
@@ -104,14 +112,20 @@ class Scheduler:
         out.scheduled.sort(key=lambda s: s.num_tokens != 1)  # stable: decode-like rows first
         return out
 
-    def postprocess(self, out: SchedulerOutput, sampled: list[int]) -> list[ScheduledSeq]:
-        """Advance computed counts, register full blocks, append sampled tokens (one per sampling row, in order).
+    def postprocess(self, out: SchedulerOutput, sampled: list[list[int]]) -> list[ScheduledSeq]:
+        """Append each sampling row's tokens (one, or the accepted proposals and one more), advance computed counts
+        over the tokens whose KV is now valid, register full blocks, and hand back rejected proposals' blocks.
         Returns the rows that sampled; the engine decides which of them finished."""
         sampling_rows = [s for s in out.scheduled if s.samples]
+        accepted: dict[int, int] = {}
+        for s, tokens in zip(sampling_rows, sampled, strict=True):
+            s.seq.token_ids.extend(tokens)
+            accepted[id(s)] = len(tokens) - 1  # proposals kept: their KV, computed this step, is valid
         for s in out.scheduled:
             old = s.seq.num_computed_tokens
-            s.seq.num_computed_tokens += s.num_tokens
+            s.seq.num_computed_tokens += s.num_tokens - s.num_spec + accepted.get(id(s), 0)
             self.block_manager.register_computed(s.seq, old)
-        for s, token in zip(sampling_rows, sampled, strict=True):
-            s.seq.token_ids.append(token)
+            if s.num_spec:
+                self.block_manager.trim(s.seq)
+            s.seq.spec_token_ids = []
         return sampling_rows

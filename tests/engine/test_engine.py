@@ -34,7 +34,7 @@ def test_cached_decoding_equals_full_recompute(make_engine: MakeEngine, default_
         out = engine.scheduler.schedule()
         logits = engine.runner.decoder.compute_logits(engine.runner.decoder(engine.runner.prepare(out.scheduled)))
         step_logits.append(logits[0])
-        engine.scheduler.postprocess(out, [int(logits[0].argmax())])
+        engine.scheduler.postprocess(out, [[int(logits[0].argmax())]])
     # Full recompute: one prefill of the whole sequence, logits at every position.
     full = Sequence("b", seq.token_ids[:-1], greedy(1))
     bm = engine.block_manager

@@ -9,7 +9,7 @@ from model.engine.sequence import SamplingParams, Sequence, SequenceStatus
 
 def run_step(sched: Scheduler, token: int = 7) -> list[tuple[str, int]]:
     out = sched.schedule()
-    sampled = [token for s in out.scheduled if s.samples]
+    sampled = [[token] for s in out.scheduled if s.samples]
     rows = sched.postprocess(out, sampled)
     for s in rows:
         if s.seq.num_output_tokens >= s.seq.params.max_tokens:
@@ -42,7 +42,7 @@ def test_preemption_recomputes_newest_and_everything_finishes() -> None:
         if not sched.has_work():
             break
         out = sched.schedule()
-        rows = sched.postprocess(out, [3] * sum(s.samples for s in out.scheduled))
+        rows = sched.postprocess(out, [[3]] * sum(s.samples for s in out.scheduled))
         for s in rows:
             if s.seq.num_output_tokens >= 6:
                 sched.remove(s.seq)
@@ -75,7 +75,7 @@ def test_random_load_with_aborts_leaks_nothing() -> None:
             if not victim.is_finished:
                 sched.remove(victim)
         out = sched.schedule()
-        rows = sched.postprocess(out, [rng.randrange(5) for s in out.scheduled if s.samples])
+        rows = sched.postprocess(out, [[rng.randrange(5)] for s in out.scheduled if s.samples])
         for r in rows:
             if r.seq.num_output_tokens >= r.seq.params.max_tokens:
                 sched.remove(r.seq)

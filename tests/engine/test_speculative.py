@@ -1,0 +1,154 @@
+"""Speculative decoding (prompt lookup) on the embedded model: the same tokens as without it, greedy and seeded,
+alone and batched, constrained and preempted; the same distribution unseeded (chi-square); no leaked blocks."""
+
+import json
+from collections import Counter
+from typing import Any
+
+import pytest
+from scipy.stats import chi2_contingency
+
+from model.engine.engine import Engine
+from model.engine.speculative import NgramProposer, SpeculativeConfig
+from model.sampling_params import SamplingParams
+from model.structured_output import GrammarSpec
+from model.tokenizer import Tokenizer
+from tests.engine.drive import run
+
+SPEC = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1,
+                   "max_batch_size": 64})
+TEXT = ("The lighthouse keeper climbed the spiral stairs every evening at dusk. He lit the great lamp, wound the "
+        "clockwork, and watched the ships pass the rocks. ")
+TASKS = ["Repeat this text exactly:\n", "Copy the following, word for word:\n", "Summarize:\n", "Quote it back:\n"]
+
+
+@pytest.fixture(scope="module")
+def plain(make_engine: Any) -> Engine:
+    return make_engine()
+
+
+@pytest.fixture(scope="module")
+def spec(make_engine: Any) -> Engine:
+    return make_engine(speculative_config=SPEC)
+
+
+def grounded(tokenizer: Tokenizer, i: int) -> list[int]:
+    return tokenizer.apply_chat_template([{"role": "user", "content": TASKS[i % len(TASKS)] + TEXT * (1 + i % 2)}])
+
+
+def test_proposer_finds_the_latest_longest_match() -> None:
+    proposer = NgramProposer(SpeculativeConfig("ngram", 3, prompt_lookup_max=3, prompt_lookup_min=1))
+    assert proposer.propose([1, 2, 3, 4, 5, 9, 1, 2, 3], 10) == [4, 5, 9]
+    assert proposer.propose([5, 1, 2, 6, 1, 2, 7, 1, 2], 10) == [7, 1, 2]  # the latest occurrence
+    assert proposer.propose([8, 2, 3, 4, 9, 2, 3, 5, 7, 2, 3], 10) == [5, 7, 2]
+    assert proposer.propose([1, 2, 3, 4, 1, 2], 1) == [3]  # within the limit
+    assert proposer.propose([1, 2, 3], 5) == []
+
+
+def test_config_parsing() -> None:
+    assert SpeculativeConfig.parse("") is None
+    assert SpeculativeConfig.parse(SPEC) == SpeculativeConfig("ngram", 4, 4, 1, 64)
+    for bad in ('{"method": "eagle", "num_speculative_tokens": 2}', '{"method": "ngram"}', "[1]",
+                '{"num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 2}', '{"x": 1}'):
+        with pytest.raises(ValueError):
+            SpeculativeConfig.parse(bad)
+
+
+def test_greedy_is_token_identical_alone_and_batched(plain: Engine, spec: Engine, default_tokenizer: Tokenizer) -> None:
+    requests = {f"r{i}": (grounded(default_tokenizer, i), SamplingParams(temperature=0, max_tokens=40 + i))
+                for i in range(6)}
+    reference = run(plain, requests)
+    before = spec.stats()
+    assert run(spec, requests) == reference
+    for rid in ("r0", "r3"):
+        assert run(spec, {rid: requests[rid]})[rid] == reference[rid]
+    after = spec.stats()
+    drafted = after.spec_draft_tokens - before.spec_draft_tokens
+    accepted = after.spec_accepted_tokens - before.spec_accepted_tokens
+    assert drafted > 0 and 0 < accepted < drafted  # it speculated, and some proposals were rejected
+    assert after.kv_blocks_used == 0 and after.num_running == 0
+    for rid, tokens in reference.items():
+        assert len(tokens) <= requests[rid][1].max_tokens
+
+
+def test_fewer_steps_than_tokens_when_copying(spec: Engine, default_tokenizer: Tokenizer) -> None:
+    before = spec.stats()
+    tokens = run(spec, {"r": (grounded(default_tokenizer, 0), SamplingParams(temperature=0, max_tokens=60))})["r"]
+    steps = spec.stats().num_steps - before.num_steps
+    assert steps < len(tokens), (steps, len(tokens))
+
+
+def test_seeded_sampling_is_identical_with_and_without(plain: Engine, spec: Engine, default_tokenizer: Tokenizer) -> None:
+    """One uniform per output token, rewound after rejections: the seed decides the text, speculation or not."""
+    requests = {f"s{i}": (grounded(default_tokenizer, i), SamplingParams(temperature=0.8, top_p=0.95, seed=100 + i,
+                                                                          max_tokens=32, logprobs=2))
+                for i in range(4)}
+    reference = run(plain, requests)
+    assert run(spec, requests) == reference
+    assert run(spec, {"s1": requests["s1"]})["s1"] == reference["s1"]
+
+
+def test_unseeded_distribution_matches(plain: Engine, spec: Engine, default_tokenizer: Tokenizer) -> None:
+    """Chi-square on the 2nd..4th sampled tokens of 256 unseeded samples each way (no shared generator)."""
+    prompt = grounded(default_tokenizer, 0)
+    params = SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True)
+    counts = []
+    for engine in (plain, spec):
+        outputs = run(engine, {f"u{i}": (prompt, params) for i in range(256)})
+        counts.append(Counter(tuple(t[1:]) for t in outputs.values()))
+    keys = sorted(set(counts[0]) | set(counts[1]), key=lambda k: -(counts[0][k] + counts[1][k]))
+    common, rest = keys[:6], keys[6:]
+    table = [[c[k] for k in common] + [sum(c[k] for k in rest)] for c in counts]
+    table = [list(col) for col in zip(*[col for col in zip(*table) if sum(col) > 0], strict=True)]
+    assert chi2_contingency(table).pvalue > 0.001, table
+
+
+def test_logprobs_are_those_of_the_output_tokens(plain: Engine, spec: Engine, default_tokenizer: Tokenizer) -> None:
+    prompt = grounded(default_tokenizer, 2)
+    params = SamplingParams(temperature=0, max_tokens=24, logprobs=3)
+    results = []
+    for engine in (plain, spec):
+        engine.add_request("lp", prompt, params)
+        outputs = []
+        while not outputs or outputs[-1].finish_reason is None:
+            outputs += [o for o in engine._drain_inbox(block=False) + engine.step() if o.request_id == "lp"]
+        results.append([(t, lp) for o in outputs for t, lp in zip(o.new_token_ids, o.logprobs or [], strict=True)])
+    assert [t for t, _ in results[1]] == [t for t, _ in results[0]]
+    for (token, a), (_, b) in zip(results[0], results[1], strict=True):
+        assert a.token_id == b.token_id == token
+        assert abs(a.logprob - b.logprob) < 1e-3 and [i for i, _ in a.top] == [i for i, _ in b.top]
+
+
+def test_constrained_and_preempted(make_engine: Any, plain: Engine, default_tokenizer: Tokenizer) -> None:
+    schema = {"type": "object", "properties": {"text": {"type": "string", "maxLength": 80}}, "required": ["text"],
+              "additionalProperties": False}
+    c = plain.runner.config
+    per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4
+    tight = make_engine(speculative_config=SPEC, kv_cache_memory=per_token * 16 * 12, max_num_batched_tokens=1024)
+
+    def requests(engine: Engine) -> dict[str, tuple[list[int], SamplingParams]]:
+        constraint = engine.grammars.compile(GrammarSpec.json_schema(schema))
+        out = {f"g{i}": (grounded(default_tokenizer, i), SamplingParams(temperature=0, max_tokens=48,
+                                                                        constraint=constraint)) for i in range(2)}
+        out.update({f"p{i}": (grounded(default_tokenizer, i), SamplingParams(temperature=0, max_tokens=48))
+                    for i in range(2, 5)})
+        return out
+
+    reference = run(plain, requests(plain))
+    assert run(tight, requests(tight)) == reference
+    stats = tight.stats()
+    assert stats.num_preemptions > 0 and stats.spec_accepted_tokens > 0
+    assert stats.kv_blocks_used == 0
+    for rid in ("g0", "g1"):
+        text = default_tokenizer.decode(reference[rid], skip_special_tokens=True)
+        assert set(json.loads(text)) == {"text"}
+
+
+def test_speculation_stops_past_the_batch_threshold(make_engine: Any, default_tokenizer: Tokenizer) -> None:
+    engine = make_engine(speculative_config=json.dumps({"method": "ngram", "num_speculative_tokens": 3,
+                                                        "max_batch_size": 2}))
+    run(engine, {f"r{i}": (grounded(default_tokenizer, i), SamplingParams(temperature=0, max_tokens=6))
+                 for i in range(4)})
+    assert engine.stats().spec_drafts == 0  # four running: over the threshold every step
+    run(engine, {"r": (grounded(default_tokenizer, 0), SamplingParams(temperature=0, max_tokens=12))})
+    assert engine.stats().spec_drafts > 0
