@@ -48,6 +48,18 @@ class TextEmitter:
         self._window.extend(token_ids)
         return self._emit(self._stable_text(checked), final=False)
 
+    def push_until_stop(self, token_ids: list[int]) -> tuple[str, int]:
+        """Like push, one token at a time, so that a stop string inside several tokens at once (speculative
+        decoding) also tells how many of them were used: (text, tokens consumed)."""
+        if not self._stops or len(token_ids) < 2:
+            return self.push(token_ids), len(token_ids)
+        text = ""
+        for used, token_id in enumerate(token_ids, 1):
+            text += self.push([token_id])
+            if self.stopped:
+                return text, used
+        return text, len(token_ids)
+
     def flush(self) -> str:
         """At the end of generation: decode whatever was held back (even a trailing U+FFFD) and emit it."""
         if self.stopped:

@@ -114,8 +114,9 @@ class RequestStream:
                 for _ in out.new_token_ids:
                     metrics.itl.observe(per_token)
             choice.last_token_time = now
-        self.completion_tokens += len(out.new_token_ids)
-        text = choice.emitter.push(out.new_token_ids)
+        text, used = choice.emitter.push_until_stop(out.new_token_ids)
+        token_ids, logprobs = out.new_token_ids[:used], out.logprobs[:used] if out.logprobs else out.logprobs
+        self.completion_tokens += len(token_ids)  # tokens past a stop string were never part of the answer
         finish = out.finish_reason
         if choice.emitter.stopped:
             if finish is None:  # the engine does not know about stop strings: free its blocks now
@@ -127,7 +128,7 @@ class RequestStream:
             text += choice.emitter.flush().rstrip("\ufffd")
         if finish is not None:
             self._finish(choice, finish)
-        return Delta(index, text, list(out.new_token_ids), out.logprobs, finish, out.num_prompt_tokens or choice.prompt_tokens,
+        return Delta(index, text, list(token_ids), logprobs, finish, out.num_prompt_tokens or choice.prompt_tokens,
                      out.num_cached_tokens)
 
     def _finish(self, choice: _Choice, reason: str) -> None:

@@ -17,8 +17,7 @@ from tests.engine.drive import run
 
 SPEC = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1,
                    "max_batch_size": 64})
-TEXT = ("The lighthouse keeper climbed the spiral stairs every evening at dusk. He lit the great lamp, wound the "
-        "clockwork, and watched the ships pass the rocks. ")
+TEXT = "The lighthouse keeper climbed the spiral stairs at dusk and lit the great lamp. "
 TASKS = ["Repeat this text exactly:\n", "Copy the following, word for word:\n", "Summarize:\n", "Quote it back:\n"]
 
 
@@ -55,8 +54,10 @@ def test_config_parsing() -> None:
 
 
 def test_greedy_is_token_identical_alone_and_batched(plain: Engine, spec: Engine, default_tokenizer: Tokenizer) -> None:
-    requests = {f"r{i}": (grounded(default_tokenizer, i), SamplingParams(temperature=0, max_tokens=40 + i))
-                for i in range(6)}
+    requests = {f"r{i}": (grounded(default_tokenizer, i), SamplingParams(temperature=0, max_tokens=24 + i))
+                for i in range(3)}
+    open_question = [{"role": "user", "content": "What do lighthouse keepers do all day, and why?"}]  # rejections
+    requests["r3"] = (default_tokenizer.apply_chat_template(open_question), SamplingParams(temperature=0, max_tokens=40))
     reference = run(plain, requests)
     before = spec.stats()
     assert run(spec, requests) == reference
@@ -73,7 +74,7 @@ def test_greedy_is_token_identical_alone_and_batched(plain: Engine, spec: Engine
 
 def test_fewer_steps_than_tokens_when_copying(spec: Engine, default_tokenizer: Tokenizer) -> None:
     before = spec.stats()
-    tokens = run(spec, {"r": (grounded(default_tokenizer, 0), SamplingParams(temperature=0, max_tokens=60))})["r"]
+    tokens = run(spec, {"r": (grounded(default_tokenizer, 1), SamplingParams(temperature=0, max_tokens=40))})["r"]
     steps = spec.stats().num_steps - before.num_steps
     assert steps < len(tokens), (steps, len(tokens))
 
@@ -81,21 +82,24 @@ def test_fewer_steps_than_tokens_when_copying(spec: Engine, default_tokenizer: T
 def test_seeded_sampling_is_identical_with_and_without(plain: Engine, spec: Engine, default_tokenizer: Tokenizer) -> None:
     """One uniform per output token, rewound after rejections: the seed decides the text, speculation or not."""
     requests = {f"s{i}": (grounded(default_tokenizer, i), SamplingParams(temperature=0.8, top_p=0.95, seed=100 + i,
-                                                                          max_tokens=32, logprobs=2))
-                for i in range(4)}
+                                                                          max_tokens=24, logprobs=2))
+                for i in range(3)}
     reference = run(plain, requests)
     assert run(spec, requests) == reference
     assert run(spec, {"s1": requests["s1"]})["s1"] == reference["s1"]
 
 
 def test_unseeded_distribution_matches(plain: Engine, spec: Engine, default_tokenizer: Tokenizer) -> None:
-    """Chi-square on the 2nd..4th sampled tokens of 256 unseeded samples each way (no shared generator)."""
-    prompt = grounded(default_tokenizer, 0)
+    """Chi-square on the 2nd to 4th sampled tokens of 128 unseeded samples each way (no shared generator), after a
+    short repetitive prompt, so that the first token is often followed by proposals."""
+    prompt = default_tokenizer.encode("red green blue red green blue red green blue red", add_special_tokens=False)
     params = SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True)
     counts = []
+    drafted = spec.stats().spec_draft_tokens
     for engine in (plain, spec):
-        outputs = run(engine, {f"u{i}": (prompt, params) for i in range(256)})
+        outputs = run(engine, {f"u{i}": (prompt, params) for i in range(128)})
         counts.append(Counter(tuple(t[1:]) for t in outputs.values()))
+    assert spec.stats().spec_draft_tokens > drafted + 64  # many samples had later tokens proposed
     keys = sorted(set(counts[0]) | set(counts[1]), key=lambda k: -(counts[0][k] + counts[1][k]))
     common, rest = keys[:6], keys[6:]
     table = [[c[k] for k in common] + [sum(c[k] for k in rest)] for c in counts]
