@@ -1,34 +1,38 @@
 """Speculative decoding by prompt lookup (issue 16): an input-grounded workload beside a chat workload, with and
 without speculation, in one process on engines built once and kept.
 
-    .venv/bin/python bench/speculative.py                      # ~8 min on a 2-core machine
-    .venv/bin/python bench/speculative.py --quick              # fewer tokens, 2-stream threshold only: ~3 min
-    OMP_WAIT_POLICY=PASSIVE .venv/bin/python bench/speculative.py -- --num-threads 2
+    .venv/bin/python bench/speculative.py                      # ~8 min on a busy 2-core machine
+    .venv/bin/python bench/speculative.py --quick              # 2 requests in turn, 8 at once, threshold at 4: ~4 min
+    OMP_WAIT_POLICY=PASSIVE .venv/bin/python bench/speculative.py -- --num-threads 1
 
-Workloads (chat-templated user turns, EOS honoured, --max-tokens generated at most):
-  grounded   16 distinct requests to return an edited copy of a given ~170-200-token text: 2 paragraphs x 4
-             instructions (fix a typo, proofread, make it formal, repeat with a word replaced) and 2 Python pieces x
-             4 instructions (type hints, docstrings, fix a bug, rename a variable). Where prompt lookup pays.
+Workloads (chat-templated user turns, EOS honoured, at most --max-tokens generated):
+  grounded   16 distinct requests to return an edited copy of a given ~130-170-token text (167-203 prompt tokens): 2 paragraphs x 4
+             instructions (fix a typo, proofread, make it formal, repeat it with a word replaced) and 2 Python pieces
+             x 4 instructions (type hints, docstrings, fix a bug, rename a variable); where prompt lookup pays.
              Greedy, and temperature 0.7 (seed = request).
   chat       16 open questions ("Tell me about volcanoes."), temperature --chat-temperature (0.7, seed = request).
-  Request j is piece j % 4 with instruction (j + j // 4) % 4, so any first n requests mix text and code.
+  Request j is piece j % 4 with instruction (j + j // 4) % 4, so the first n requests of a load mix text and code.
 
-Engines (one model load each, kept for the whole run): speculation off; prompt lookup with num_speculative_tokens
-k = 2, 4, 6 and max_batch_size 64 (on at every batch here); and k = 4 with the default max_batch_size 4 (off while
-more than 4 sequences run). prompt_lookup_max 4, prompt_lookup_min 1. Prefix caching is off (rounds repeat prompts;
-a hit in round 2 is not what distinct requests get) and the KV cache is 320 MiB; flags after `--` override both.
+Engines (one model load each, kept for the run): speculation off; prompt lookup with num_speculative_tokens k = 2,
+4, 6 and max_batch_size 64 (on at every batch here); k = 4 with the default max_batch_size 4 (off while more than 4
+sequences run). prompt_lookup_max 4, prompt_lookup_min 1. Prefix caching is off (rounds repeat the prompts; a hit in
+round 2 is not what distinct requests get) and the KV cache is 320 MiB; flags after `--` (Settings) override both.
 
-Loads, each run on every engine of its table, engine order forward in round 1 and reversed in round 2 (medians):
-  1 stream    the first --sequential requests one after another (grounded greedy, grounded 0.7, chat)
-  16 streams  --streams requests at once (grounded greedy, chat): off, k=4 at max_batch_size 64 and at 4, and
-              with --all-k, k=2 and 6 too
-  threshold   n of the requests at once for n in --levels (2 4 8), off against k=4 forced on (max_batch_size 64);
-              the 1- and 16-stream rows come from the tables above
-Output tok/s = generated tokens / (first add to last token); acceptance = accepted / proposed tokens; per draft =
-accepted tokens per verification (a sequence's step with proposals); steps = engine steps in the load. "= off":
-requests whose tokens equal the off engine's (speculation is exact; batched float sums may still differ).
+Loads: every engine of a load runs it at the same time, one engine step each in turn (the turn order reversed every
+cycle and every round), and each engine's time is the time inside its own steps: a change in the machine's load,
+which on a shared 2-core machine moves a whole run by 30 % and more, hits all of them alike. --rounds (2), medians.
+  1 stream    the first --sequential (4) requests one after another: grounded greedy, grounded T=0.7, chat
+  N streams   --streams (16) requests at once, grounded greedy and chat: off, k=4 at max_batch_size 64 and at 4
+              (--all-k: k=2 and 6 too, also in grounded T=0.7)
+  threshold   n requests at once for n in --levels (2 4 8): off against k=4 forced on (max_batch_size 64); the 1- and
+              N-stream rows come from the tables above. The threshold is the largest n up to which every level
+              paid (>= 1.0x) for both workloads.
+Columns: output tok/s = generated tokens / the engine's time from its first add to its last token; decode tok/s
+leaves out the time until every request of a batch had its first token; acceptance = accepted / proposed tokens;
+accepted/draft = accepted tokens per verification (a sequence's step with proposals); steps = engine steps of the
+load; "= off": requests whose tokens equal the off engine's (speculation is exact; batched float sums may differ).
 
-On a shared 2-core machine compare rows of one run; note the load average printed at the start and the end."""
+On a shared machine compare rows of one run and note the load average printed at the start and the end."""
 
 import argparse
 import json
@@ -53,18 +57,18 @@ from model.tokenizer import Tokenizer  # noqa: E402
 
 # ---- workloads ---------------------------------------------------------------------------------------------------
 TEXTS = [
-    "The old lighthouse stood on the rocky point for more than a hundred years. Every evening the keeper climbed the "
+    ("The old lighthouse stood on the rocky point for more than a hundred years. Every evening the keeper climbed the "
     "spiral stairs, lit the great lamp and wound the clockwork that turned the lens. Ships passing the reef at night "
     "looked for its beam, and fishermen said they could set their watches by it. In the winter storms the keeper "
     "stayed awake until dawn, wiping salt from the windows and writing the weather in a thick leather book. When he "
     "retired, the town voted to keep the light burning, and volunteers now take turns climbing the stairs each dusk. "
-    "The leather books are kept in the library, where children read them to learn how the sea has changed.",
-    "Our team meeting on Tuesday covered three topics. First, the new billing service will move to the shared "
+    "The leather books are kept in the library, where children read them to learn how the sea has changed."),
+    ("Our team meeting on Tuesday covered three topics. First, the new billing service will move to the shared "
     "database next month, so every query that joins the invoices table must be reviewed before the migration. "
     "Second, the support rota changes: from the first of the month each engineer takes one week on call in turn, and "
     "the person on call answers pages within fifteen minutes. Third, the office will be closed on Friday for the "
     "network upgrade, so please work from home that day and check that your laptop connects to the virtual private "
-    "network before Thursday evening. Questions about any of these can go to the team channel.",
+    "network before Thursday evening. Questions about any of these can go to the team channel."),
 ]
 TYPOS = [("climbed", "climbd"), ("billing", "biling")]  # one misspelling per paragraph, for the fix-it tasks
 CODES = [
@@ -274,7 +278,7 @@ def print_table(title: str, loads: list[Load], labels: dict[str, str]) -> None:
             runs = load.runs[name]
             res = runs[0].result
             n = len(load.prompts)
-            same = sum(a == b for a, b in zip(runs[0].tokens, base[0].tokens))
+            same = sum(a == b for a, b in zip(runs[0].tokens, base[0].tokens, strict=True))
             acc, per = acceptance(runs)
             dec = statistics.median(r.result.decode_tps for r in runs)
             print(f"| {load.name} | {labels[name]} | {res.output_tokens / n:.0f} | {tps(runs):.1f} | "

@@ -17,6 +17,7 @@ from model.engine.block_manager import BlockManager
 from model.engine.model_runner import ModelRunner
 from model.engine.scheduler import Scheduler, SchedulerOutput
 from model.engine.sequence import SamplingParams, Sequence, StepOutput
+from model.engine.draft import DraftProposer
 from model.engine.speculative import NgramProposer, SpeculativeConfig
 from model.structured_output import GrammarCache, GrammarError, new_matcher, tokenizer_info
 from model.tokenizer import Tokenizer
@@ -62,7 +63,15 @@ class Engine:
         self.eos_token_ids = set(self.runner.eos_token_ids)  # one list for stopping and for min_tokens masking
         self._grammars: GrammarCache | None = None
         self.speculative = SpeculativeConfig.parse(settings.speculative_config)
-        self.proposer = NgramProposer(self.speculative) if self.speculative is not None else None
+        self.proposer: NgramProposer | DraftProposer | None = None
+        if self.speculative is not None and self.speculative.method == "draft_model":
+            self.proposer = DraftProposer(self.speculative, settings, self.runner.config.vocab_size,
+                                          self.runner.eos_token_ids)
+        elif self.speculative is not None:
+            self.proposer = NgramProposer(self.speculative)
+        if self.speculative is not None:
+            log.info("speculative decoding: %s, %d tokens, while at most %d sequences run", self.speculative.method,
+                     self.speculative.num_speculative_tokens, self.speculative.max_batch_size)
         self.spec_drafts = self.spec_draft_tokens = self.spec_accepted_tokens = 0
         self.max_model_len = self.runner.max_model_len
         self.block_manager = BlockManager(self.runner.num_blocks, settings.block_size, settings.enable_prefix_caching)
@@ -201,6 +210,8 @@ class Engine:
                 if seq is not None:
                     self.scheduler.remove(seq)
                     self._generators.pop(item, None)
+                    if self.proposer is not None:
+                        self.proposer.release({item})
                     outputs.append(StepOutput(item, [], "abort", None, seq.num_prompt_tokens, seq.num_cached_tokens))
 
     def _add(self, seq: Sequence) -> None:
@@ -218,13 +229,18 @@ class Engine:
             return
         running = self.scheduler.running
         if len(running) > self.speculative.max_batch_size:
+            self.proposer.release()  # a draft model's KV is rebuilt when speculation resumes
             return
+        rows = []
         for seq in running:
             if seq.num_computed_tokens != len(seq) - 1:
                 continue  # still in its prompt
             # room for every proposal and the token after them, within max_tokens and the context
             limit = min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - len(seq)) - 1
-            seq.spec_token_ids = self.proposer.propose(seq.token_ids, limit)
+            rows.append((seq, limit))
+        self.proposer.retain({seq.request_id for seq, _ in rows})
+        for (seq, _), proposals in zip(rows, self.proposer.propose_batch(rows), strict=True):
+            seq.spec_token_ids = proposals
 
     def step(self) -> list[StepOutput]:
         """Schedule, run the model once, and return what each sampling sequence produced."""
@@ -269,6 +285,8 @@ class Engine:
                 self.scheduler.remove(seq)
                 self._sequences.pop(seq.request_id, None)
                 self._generators.pop(seq.request_id, None)
+                if self.proposer is not None:
+                    self.proposer.release({seq.request_id})
         return outputs
 
     def _finish_reason(self, seq: Sequence, token: int, length: int) -> str | None:

@@ -10,19 +10,25 @@ acceptance test `u < p(x)` and residual `p` without `x` are what sampling from `
 
 import json
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from model.engine.sequence import Sequence
 
 
 @dataclass(frozen=True, slots=True)
 class SpeculativeConfig:
-    method: str  # "ngram" (prompt lookup)
+    method: str  # "ngram" (prompt lookup) or "draft_model"
     num_speculative_tokens: int
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
     # Speculate only while this many sequences or fewer run: past it the batch keeps the cores busy and the extra
     # positions cost more than they save (bench/speculative.py measures it).
     max_batch_size: int = 4
+    model: str = ""  # draft_model: a GGUF file or Hugging Face folder with the target's vocabulary
+    draft_kv_cache_memory: int = 0  # draft_model: bytes of its own KV cache; 0 = a quarter of the target's
 
     @classmethod
     def parse(cls, text: str) -> "SpeculativeConfig | None":
@@ -35,16 +41,22 @@ class SpeculativeConfig:
             raise ValueError(f"--speculative-config is not JSON: {exc}") from exc
         if not isinstance(raw, dict):
             raise ValueError("--speculative-config must be a JSON object")
-        method = raw.pop("method", "ngram")
-        if method not in ("ngram", "prompt_lookup"):
-            raise ValueError(f"--speculative-config: method {method!r} is not supported (use 'ngram')")
+        method = {"prompt_lookup": "ngram", "draft": "draft_model"}.get(raw.get("method", "ngram"), raw.get("method"))
+        raw.pop("method", None)
+        if method not in ("ngram", "draft_model"):
+            raise ValueError(f"--speculative-config: method {method!r} is not supported (use 'ngram' or 'draft_model')")
         known = {"num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "max_batch_size"}
+        if method == "draft_model":
+            known |= {"model", "draft_kv_cache_memory"}
+            if not raw.get("model"):
+                raise ValueError("--speculative-config: draft_model needs 'model' (a path)")
         unknown = set(raw) - known
         if unknown:
             raise ValueError(f"--speculative-config: unknown keys {sorted(unknown)}")
         if "num_speculative_tokens" not in raw:
             raise ValueError("--speculative-config needs num_speculative_tokens")
-        config = cls("ngram", **{k: int(v) for k, v in raw.items()})
+        model = str(raw.pop("model", ""))
+        config = cls(method, **{k: int(v) for k, v in raw.items()}, model=model)
         if not 1 <= config.num_speculative_tokens <= 16:
             raise ValueError("--speculative-config: num_speculative_tokens must be in [1, 16]")
         if not 1 <= config.prompt_lookup_min <= config.prompt_lookup_max:
@@ -62,6 +74,15 @@ class NgramProposer:
         self.k = config.num_speculative_tokens
         self.n_max = config.prompt_lookup_max
         self.n_min = config.prompt_lookup_min
+
+    def propose_batch(self, rows: list[tuple["Sequence", int]]) -> list[list[int]]:
+        return [self.propose(seq.token_ids, limit) for seq, limit in rows]
+
+    def retain(self, request_ids: set[str]) -> None:
+        """Nothing is kept per sequence."""
+
+    def release(self, request_ids: set[str] | None = None) -> None:
+        """Nothing is kept per sequence."""
 
     def propose(self, token_ids: list[int], limit: int) -> list[int]:
         k = min(self.k, limit)

@@ -6,6 +6,7 @@ from collections import Counter
 from typing import Any
 
 import pytest
+import torch
 from scipy.stats import chi2_contingency
 
 from model.engine.engine import Engine
@@ -47,7 +48,11 @@ def test_proposer_finds_the_latest_longest_match() -> None:
 def test_config_parsing() -> None:
     assert SpeculativeConfig.parse("") is None
     assert SpeculativeConfig.parse(SPEC) == SpeculativeConfig("ngram", 4, 4, 1, 64)
+    draft = SpeculativeConfig.parse('{"method": "draft_model", "model": "/m.gguf", "num_speculative_tokens": 3}')
+    assert draft is not None and (draft.method, draft.model, draft.num_speculative_tokens) == ("draft_model", "/m.gguf", 3)
     for bad in ('{"method": "eagle", "num_speculative_tokens": 2}', '{"method": "ngram"}', "[1]",
+                '{"method": "draft_model", "num_speculative_tokens": 2}',
+                '{"method": "ngram", "model": "/m.gguf", "num_speculative_tokens": 2}',
                 '{"num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 2}', '{"x": 1}'):
         with pytest.raises(ValueError):
             SpeculativeConfig.parse(bad)
@@ -156,3 +161,41 @@ def test_speculation_stops_past_the_batch_threshold(make_engine: Any, default_to
     assert engine.stats().spec_drafts == 0  # four running: over the threshold every step
     run(engine, {"r": (grounded(default_tokenizer, 0), SamplingParams(temperature=0, max_tokens=12))})
     assert engine.stats().spec_drafts > 0
+
+
+def test_draft_model_proposals(make_engine: Any, plain: Engine, default_tokenizer: Tokenizer, default_model_path: Any,
+                               tmp_path: Any) -> None:
+    """The embedded model drafting for itself agrees almost always; a random draft with the same vocabulary
+    almost never. Either way the output is the target's, and no block of either pool is left behind."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    requests = {f"d{i}": (grounded(default_tokenizer, i), SamplingParams(temperature=0, max_tokens=20))
+                for i in range(2)}
+    requests["s"] = (grounded(default_tokenizer, 2), SamplingParams(temperature=0.9, seed=5, max_tokens=20))
+    reference = run(plain, requests)
+
+    torch.manual_seed(0)
+    random_draft = LlamaForCausalLM(LlamaConfig(vocab_size=plain.runner.config.vocab_size, hidden_size=64,
+                                                intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                                num_key_value_heads=2, max_position_embeddings=2048))
+    random_draft.save_pretrained(tmp_path / "draft")
+    for draft_path, expect_high in ((default_model_path, True), (tmp_path / "draft", False)):
+        config = json.dumps({"method": "draft_model", "model": str(draft_path), "num_speculative_tokens": 3,
+                             "max_batch_size": 8, "draft_kv_cache_memory": 16 * 2**20})
+        engine = make_engine(speculative_config=config)
+        assert run(engine, requests) == reference
+        stats = engine.stats()
+        rate = stats.spec_accepted_tokens / max(stats.spec_draft_tokens, 1)
+        assert stats.spec_draft_tokens > 0 and (rate > 0.7 if expect_high else rate < 0.3), rate
+        assert stats.kv_blocks_used == 0
+        assert engine.proposer is not None and engine.proposer.block_manager.num_used == 0  # type: ignore[union-attr]
+
+
+def test_draft_model_with_another_vocabulary_is_refused(make_engine: Any, tmp_path: Any) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=1)).save_pretrained(tmp_path / "small")
+    config = json.dumps({"method": "draft_model", "model": str(tmp_path / "small"), "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="vocabulary"):
+        make_engine(speculative_config=config)
