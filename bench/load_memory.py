@@ -27,7 +27,11 @@ CONFIG = {
 
 
 def tensor_shapes(c: dict) -> dict[str, tuple[int, ...]]:
-    h, i, kv = c["hidden_size"], c["intermediate_size"], c["num_key_value_heads"] * c["hidden_size"] // c["num_attention_heads"]
+    h, i, kv = (
+        c["hidden_size"],
+        c["intermediate_size"],
+        c["num_key_value_heads"] * c["hidden_size"] // c["num_attention_heads"],
+    )
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (c["vocab_size"], h), "model.norm.weight": (h,),
                                           "lm_head.weight": (c["vocab_size"], h)}  # fmt: skip
     for n in range(c["num_hidden_layers"]):
@@ -63,7 +67,9 @@ def write_checkpoint(folder: Path, shard_mb: int) -> None:
     if shard:
         flush()
     total = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
-    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map})
+    )
 
 
 def peak_rss_kib() -> tuple[int, int]:
@@ -109,7 +115,9 @@ def main() -> None:
     parser.add_argument("--folder", type=Path, default=None)
     parser.add_argument("--dtype", nargs="+", default=["bfloat16", "float32"])
     parser.add_argument("--reader", nargs="+", default=["ours"], choices=["ours", "safe_open"])
-    parser.add_argument("--build", nargs="+", default=["build_decoder", "allocate"], choices=["build_decoder", "allocate"])
+    parser.add_argument(
+        "--build", nargs="+", default=["build_decoder", "allocate"], choices=["build_decoder", "allocate"]
+    )
     parser.add_argument("--shard-mb", type=int, default=200)
     parser.add_argument("--child", nargs=4, metavar=("FOLDER", "DTYPE", "READER", "BUILD"), help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -120,7 +120,11 @@ class Client:
         return int(response.json()["usage"]["prompt_tokens"])
 
     async def stream(
-        self, messages: list[dict[str, str]], max_tokens: int = 0, stop: asyncio.Event | None = None, result: StreamResult | None = None
+        self,
+        messages: list[dict[str, str]],
+        max_tokens: int = 0,
+        stop: asyncio.Event | None = None,
+        result: StreamResult | None = None,
     ) -> StreamResult:
         """One streaming chat completion; returns early (closing the stream) when `stop` is set. Pass `result` to
         watch the stream's progress while it runs."""
@@ -168,7 +172,11 @@ class Client:
             response = await self.http.get(self.url.removesuffix("/v1") + "/metrics")
         except httpx.HTTPError:
             return None
-        values = [float(line.split()[-1]) for line in response.text.splitlines() if line.startswith("vllm:num_preemptions_total")]
+        values = [
+            float(line.split()[-1])
+            for line in response.text.splitlines()
+            if line.startswith("vllm:num_preemptions_total")
+        ]
         return sum(values) if response.status_code == 200 and values else None
 
     async def close(self) -> None:
@@ -213,7 +221,9 @@ class RssSampler:
             await asyncio.sleep(0.25)
 
 
-async def run_level(client: Client, concurrency: int, num_requests: int, words: int, first_index: int, server_pid: int | None) -> LevelResult:
+async def run_level(
+    client: Client, concurrency: int, num_requests: int, words: int, first_index: int, server_pid: int | None
+) -> LevelResult:
     results: list[StreamResult] = []
     queue = list(range(first_index, first_index + num_requests))
 
@@ -248,13 +258,17 @@ class LongPromptResult:
         return max(gaps, default=float("nan"))
 
 
-async def run_long_prompts(client: Client, short_words: int, long_words: int, num_short: int, num_long: int) -> LongPromptResult:
+async def run_long_prompts(
+    client: Client, short_words: int, long_words: int, num_short: int, num_long: int
+) -> LongPromptResult:
     """num_short streams decode; once each has tokens flowing, num_long long prompts arrive at once. The short
     streams are closed when every long one has its first token."""
     stop = asyncio.Event()
     short = [StreamResult(sent=0.0) for _ in range(num_short)]
     short_tasks = [
-        asyncio.create_task(client.stream(chat_messages(2_000_000 + i, short_words), max_tokens=4096, stop=stop, result=r))
+        asyncio.create_task(
+            client.stream(chat_messages(2_000_000 + i, short_words), max_tokens=4096, stop=stop, result=r)
+        )
         for i, r in enumerate(short)
     ]
     deadline = time.perf_counter() + 300
@@ -263,7 +277,9 @@ async def run_long_prompts(client: Client, short_words: int, long_words: int, nu
         if all(len(r.token_times) >= 4 for r in short):  # every short stream is past its prefill and decoding
             break
     long_sent = time.perf_counter()
-    long = await asyncio.gather(*(client.stream(chat_messages(3_000_000 + i, long_words), max_tokens=16) for i in range(num_long)))
+    long = await asyncio.gather(
+        *(client.stream(chat_messages(3_000_000 + i, long_words), max_tokens=16) for i in range(num_long))
+    )
     stop.set()
     await asyncio.gather(*short_tasks)
     return LongPromptResult(list(long), short, long_sent)
@@ -298,12 +314,14 @@ def level_table(levels: list[LevelResult], with_rss: bool) -> str:
 def long_table(r: LongPromptResult) -> str:
     ttfts = [s.ttft for s in r.long if s.token_times]
     prompt = statistics.mean(s.prompt_tokens for s in r.long) if r.long else 0
-    return "\n".join([
-        "| long prompts | prompt tok | long TTFT p50 s | long TTFT max s | short streams | short max gap s | errors |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
-        f"| {len(r.long)} | {prompt:.0f} | {percentile(ttfts, 50):.2f} | {max(ttfts, default=float('nan')):.2f} | "
-        f"{len(r.short)} | {r.short_max_gap:.2f} | {sum(1 for s in r.long + r.short if s.error)} |",
-    ])
+    return "\n".join(
+        [
+            "| long prompts | prompt tok | long TTFT p50 s | long TTFT max s | short streams | short max gap s | errors |",
+            "|---:|---:|---:|---:|---:|---:|---:|",
+            f"| {len(r.long)} | {prompt:.0f} | {percentile(ttfts, 50):.2f} | {max(ttfts, default=float('nan')):.2f} | "
+            f"{len(r.short)} | {r.short_max_gap:.2f} | {sum(1 for s in r.long + r.short if s.error)} |",
+        ]
+    )
 
 
 def plot(levels: list[LevelResult], path: Path, title: str) -> None:
@@ -339,7 +357,19 @@ class SpawnedServer:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.log = tempfile.NamedTemporaryFile(prefix="llmserve-bench-", suffix=".log", delete=False)
-        cmd = [sys.executable, "-m", "server", "serve", "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "warning", *extra_args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "server",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--log-level",
+            "warning",
+            *extra_args,
+        ]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
         self.url = f"http://127.0.0.1:{self.port}/v1"
 
@@ -382,10 +412,19 @@ async def measure(args: argparse.Namespace) -> Run:
         if server is not None:
             started = time.perf_counter()
             await server.wait_ready()
-            print(f"spawned llmserve on {server.url} (ready in {time.perf_counter() - started:.1f}s; log {server.log.name})", file=sys.stderr)
+            print(
+                f"spawned llmserve on {server.url} (ready in {time.perf_counter() - started:.1f}s; log {server.log.name})",
+                file=sys.stderr,
+            )
         pid = server.proc.pid if server is not None else None
         top = max(args.concurrency, default=1)
-        client = Client(server.url if server else args.url, args.model, args.api_key, args.max_tokens, max(top, 2 * args.long_streams))
+        client = Client(
+            server.url if server else args.url,
+            args.model,
+            args.api_key,
+            args.max_tokens,
+            max(top, 2 * args.long_streams),
+        )
         await client.resolve_model()
         words = await size_prompt(client, args.prompt_tokens)
         await run_level(client, 1, 1, words, -10, None)  # warm-up, not reported
@@ -453,19 +492,31 @@ def _short_path(path: str) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--url", default="http://127.0.0.1:8000/v1", help="OpenAI-compatible base URL (ignored with --spawn)")
-    parser.add_argument("--spawn", action="store_true", help="start `llmserve serve` on a free loopback port, stop it after")
-    parser.add_argument("--server-args", default="", help="extra `llmserve serve` flags with --spawn, e.g. '--quantization int8'")
+    parser.add_argument(
+        "--url", default="http://127.0.0.1:8000/v1", help="OpenAI-compatible base URL (ignored with --spawn)"
+    )
+    parser.add_argument(
+        "--spawn", action="store_true", help="start `llmserve serve` on a free loopback port, stop it after"
+    )
+    parser.add_argument(
+        "--server-args", default="", help="extra `llmserve serve` flags with --spawn, e.g. '--quantization int8'"
+    )
     parser.add_argument("--model", default="", help="model id; default: the first of /v1/models")
     parser.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY", ""))
-    parser.add_argument("--concurrency", type=int, nargs="*", default=[1, 4, 16], help="stream counts; none = skip the levels")
+    parser.add_argument(
+        "--concurrency", type=int, nargs="*", default=[1, 4, 16], help="stream counts; none = skip the levels"
+    )
     parser.add_argument("--requests-per-stream", type=int, default=2, help="requests per level = this x concurrency")
     parser.add_argument("--min-requests", type=int, default=4, help="at least this many requests per level")
     parser.add_argument("--prompt-tokens", type=int, default=146)
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--long-prompts", action="store_true", help="also run long prompts arriving while short streams decode")
+    parser.add_argument(
+        "--long-prompts", action="store_true", help="also run long prompts arriving while short streams decode"
+    )
     parser.add_argument("--long-prompt-tokens", type=int, default=1500)
-    parser.add_argument("--long-streams", type=int, default=4, help="long prompts, and short streams decoding meanwhile")
+    parser.add_argument(
+        "--long-streams", type=int, default=4, help="long prompts, and short streams decoding meanwhile"
+    )
     parser.add_argument("--out", default="", help="write the markdown report here and the plot next to it (.png)")
     args = parser.parse_args()
     text = write_report(args, asyncio.run(measure(args)))

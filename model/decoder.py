@@ -96,7 +96,9 @@ class Decoder(nn.Module):
         global_rope = RotaryEmbedding(c.head_dim, max_positions, c.rope_theta, c.rope_scaling, c.rotary_dim)
         local_rope = global_rope
         if c.local_rope_theta is not None:
-            local_rope = RotaryEmbedding(c.head_dim, max_positions, c.local_rope_theta, c.local_rope_scaling, c.rotary_dim)
+            local_rope = RotaryEmbedding(
+                c.head_dim, max_positions, c.local_rope_theta, c.local_rope_scaling, c.rotary_dim
+            )
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
         self.layers = nn.ModuleList(
             DecoderLayer(c, global_rope if w is None else local_rope, w) for w in c.layer_windows
@@ -190,7 +192,9 @@ class Decoder(nn.Module):
     def _checkpoint_name(self, name: str, shard: int | None) -> str:
         """Our parameter name (and shard) -> the transformers name a checkpoint would carry, for messages."""
         if shard is not None:
-            name = next(name.replace(fused, part) for part, (fused, i) in self.PACKED.items() if fused in name and i == shard)
+            name = next(
+                name.replace(fused, part) for part, (fused, i) in self.PACKED.items() if fused in name and i == shard
+            )
         for theirs, ours in self.config.weight_names:
             if ours in name:
                 name = name.replace(ours, theirs)

@@ -23,11 +23,29 @@ GrammarKind = Literal["json_object", "json_schema", "regex", "choice", "grammar"
 
 # JSON-Schema keywords xgrammar's converter does not enforce (it would drop them and let invalid output through):
 # refused up front, by name, rather than silently ignored.
-UNSUPPORTED_KEYWORDS = frozenset({
-    "not", "if", "then", "else", "dependentSchemas", "dependentRequired", "dependencies", "uniqueItems", "contains",
-    "minContains", "maxContains", "multipleOf", "unevaluatedProperties", "unevaluatedItems", "propertyNames",
-    "patternProperties", "$dynamicRef", "$dynamicAnchor", "$recursiveRef",
-})
+UNSUPPORTED_KEYWORDS = frozenset(
+    {
+        "not",
+        "if",
+        "then",
+        "else",
+        "dependentSchemas",
+        "dependentRequired",
+        "dependencies",
+        "uniqueItems",
+        "contains",
+        "minContains",
+        "maxContains",
+        "multipleOf",
+        "unevaluatedProperties",
+        "unevaluatedItems",
+        "propertyNames",
+        "patternProperties",
+        "$dynamicRef",
+        "$dynamicAnchor",
+        "$recursiveRef",
+    }
+)
 # Keywords whose value is a schema, a list of schemas, or a map of name -> schema: where the walk descends.
 _SCHEMA_VALUED = ("items", "additionalProperties", "additionalItems")
 _SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")

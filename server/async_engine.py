@@ -127,8 +127,15 @@ class RequestStream:
             text += choice.emitter.flush().rstrip("\ufffd")
         if finish is not None:
             self._finish(choice, finish)
-        return Delta(index, text, list(out.new_token_ids), out.logprobs, finish, out.num_prompt_tokens or choice.prompt_tokens,
-                     out.num_cached_tokens)
+        return Delta(
+            index,
+            text,
+            list(out.new_token_ids),
+            out.logprobs,
+            finish,
+            out.num_prompt_tokens or choice.prompt_tokens,
+            out.num_cached_tokens,
+        )
 
     def _finish(self, choice: _Choice, reason: str) -> None:
         choice.finished = True
@@ -222,8 +229,11 @@ class AsyncEngine:
             raise EngineDeadError()
         tokenizer = self.engine.tokenizer
         choices = [
-            _Choice(f"{request_id}-{i}", TextEmitter(tokenizer, stop or [], include_stop_str_in_output, skip_special_tokens),
-                    len(prompts[i // n]))
+            _Choice(
+                f"{request_id}-{i}",
+                TextEmitter(tokenizer, stop or [], include_stop_str_in_output, skip_special_tokens),
+                len(prompts[i // n]),
+            )
             for i in range(len(prompts) * n)
         ]
         stream = RequestStream(self, request_id, choices, n)

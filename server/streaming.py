@@ -58,7 +58,9 @@ async def _wait_for_disconnect(request: Request) -> None:
             return
 
 
-async def collect_unless_disconnected(request: Request, stream: RequestStream, collect: AsyncIterator[T]) -> list[T] | None:
+async def collect_unless_disconnected(
+    request: Request, stream: RequestStream, collect: AsyncIterator[T]
+) -> list[T] | None:
     """Drain `collect` (the stream's deltas); None, with the request aborted and counted, if the client left first."""
 
     async def drain() -> list[T]:

@@ -99,7 +99,11 @@ class Engine:
             f"attention={self.runner.attention_backend} kv_cache={self.block_manager.num_blocks} blocks x "
             f"{self.block_manager.block_size} tokens = {self.kv_capacity_tokens} tokens max_model_len={self.max_model_len} "
             f"loaded in {self.runner.load_seconds:.1f}s"
-            + (f", decode step compiled in {self.runner.compile_seconds:.1f}s" if self.runner.compiled_forward is not None else "")
+            + (
+                f", decode step compiled in {self.runner.compile_seconds:.1f}s"
+                if self.runner.compiled_forward is not None
+                else ""
+            )
         )
 
     # ---- called from any thread -------------------------------------------------------------------------------
@@ -114,7 +118,9 @@ class Engine:
                 f"({len(prompt_token_ids)} in the prompt, {params.max_tokens} for the completion)"
             )
         if self.block_manager.blocks_needed(total) > self.block_manager.num_blocks:
-            raise ValueError(f"the request needs {total} tokens of KV cache but the server holds {self.kv_capacity_tokens}")
+            raise ValueError(
+                f"the request needs {total} tokens of KV cache but the server holds {self.kv_capacity_tokens}"
+            )
         vocab = self.runner.config.vocab_size
         if any(not 0 <= t < vocab for t in prompt_token_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
@@ -207,7 +213,9 @@ class Engine:
         sched: SchedulerOutput = self.scheduler.schedule()
         self.num_steps += 1
         if self.step_records is not None:
-            self.step_records.append(StepRecord([(s.seq.request_id, s.num_tokens) for s in sched.scheduled], sched.num_preempted))
+            self.step_records.append(
+                StepRecord([(s.seq.request_id, s.num_tokens) for s in sched.scheduled], sched.num_preempted)
+            )
         if not sched.scheduled:
             return []
         now = time.monotonic()

@@ -44,8 +44,14 @@ def c_compiler_found() -> bool:
 
 
 def build_decoder(
-    path: Path, config: ModelConfig, max_positions: int, dtype: torch.dtype, device: torch.device,
-    quantization: str = "none", prepack_weights: bool = True, keep_weights: bool = False,
+    path: Path,
+    config: ModelConfig,
+    max_positions: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    quantization: str = "none",
+    prepack_weights: bool = True,
+    keep_weights: bool = False,
 ) -> Decoder:
     """Allocate the decoder without random init, stream the checkpoint into it tensor by tensor, then give its
     linear layers their CPU form: quantized, or reordered once for oneDNN."""
@@ -69,11 +75,19 @@ class ModelRunner:
         self.config = load_config(settings.model_path)
         self.max_model_len = settings.max_model_len or self.config.max_position_embeddings
         self.block_size = settings.block_size
-        self.eos_token_ids = sorted(set(eos_token_ids) | set(self.config.eos_token_ids))  # the tokenizer's and the checkpoint's
+        self.eos_token_ids = sorted(
+            set(eos_token_ids) | set(self.config.eos_token_ids)
+        )  # the tokenizer's and the checkpoint's
         started = time.perf_counter()
         self.decoder = build_decoder(
-            settings.model_path, self.config, self.max_model_len, self.dtype, self.device,
-            settings.quantization, settings.prepack_weights, keep_weights=settings.torch_compile,
+            settings.model_path,
+            self.config,
+            self.max_model_len,
+            self.dtype,
+            self.device,
+            settings.quantization,
+            settings.prepack_weights,
+            keep_weights=settings.torch_compile,
         )
         self.load_seconds = time.perf_counter() - started
         self.sampler = Sampler()
@@ -117,7 +131,13 @@ class ModelRunner:
             self.compiled_one_row(batch)
             batch = self.prepare(decode_rows(2))
             # the row count and the number of blocks as unbacked sizes: one graph serves every batch of two or more
-            for rows in (batch.input_ids, batch.positions, batch.logits_indices, batch.slot_mapping, batch.block_tables):
+            for rows in (
+                batch.input_ids,
+                batch.positions,
+                batch.logits_indices,
+                batch.slot_mapping,
+                batch.block_tables,
+            ):
                 torch._dynamo.decorators.mark_unbacked(rows, 0)
             torch._dynamo.decorators.mark_unbacked(batch.block_tables, 1)
             self.compiled_forward(batch)

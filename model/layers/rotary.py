@@ -82,7 +82,9 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(t, inv_freq)  # [P, R/2]
         self.cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)  # [P, R]
 
-    def forward(self, positions: torch.Tensor, qk: torch.Tensor, cache: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    def forward(
+        self, positions: torch.Tensor, qk: torch.Tensor, cache: dict[int, tuple[torch.Tensor, torch.Tensor]]
+    ) -> torch.Tensor:
         """qk: [T, heads, D], the query and key heads side by side, rotated in one pass. `cache` (one per step,
         shared by all layers) holds this table's cos and sin at `positions`, looked up once instead of per layer."""
         cos_sin = cache.get(id(self))
@@ -97,7 +99,9 @@ class RotaryEmbedding(nn.Module):
         return torch.cat([_rotate(qk[..., : self.rotary_dim], cos, sin), qk[..., self.rotary_dim :]], dim=-1)
 
     def extra_repr(self) -> str:
-        return f"head_dim={self.head_dim}, rotary_dim={self.rotary_dim}, theta={self.theta}, scaling={self.rope_scaling}"
+        return (
+            f"head_dim={self.head_dim}, rotary_dim={self.rotary_dim}, theta={self.theta}, scaling={self.rope_scaling}"
+        )
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -90,7 +90,11 @@ class SamplingBatch:
         bias = [(i, t, b) for i, p in enumerate(params) for t, b in (p.logit_bias or {}).items() if 0 <= t < vocab_size]
         if bias:
             bias_rows, bias_ids, bias_values = zip(*bias)
-            batch.logit_bias = (tensor(bias_rows, torch.int64), tensor(bias_ids, torch.int64), tensor(bias_values, torch.float32))
+            batch.logit_bias = (
+                tensor(bias_rows, torch.int64),
+                tensor(bias_ids, torch.int64),
+                tensor(bias_values, torch.float32),
+            )
 
         # min_tokens: the row may not end yet, so every id that would end it is banned (ignore_eos does not matter).
         # A constrained row ends where its grammar does: banning the end there would leave it no token at all.
@@ -154,8 +158,13 @@ class Sampler(nn.Module):
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """logit_bias, repetition (HF), presence/frequency (OpenAI), min_tokens bans, grammar bitmask: edits of a [B, V]
     copy."""
-    if (batch.logit_bias is None and batch.seen is None and batch.counted is None and batch.banned is None
-            and batch.token_bitmask is None):
+    if (
+        batch.logit_bias is None
+        and batch.seen is None
+        and batch.counted is None
+        and batch.banned is None
+        and batch.token_bitmask is None
+    ):
         return logits
     logits = logits.clone()
     if batch.logit_bias is not None:

@@ -91,7 +91,6 @@ class GGUFFile:
                 tensor = unpermute(tensor, num_kv_heads)
             yield name, tensor
 
-
     def _dequantize(self, t: gguf.ReaderTensor) -> np.ndarray:
         """float32 [out, in] (t.shape reversed), dequantized CHUNK_BYTES of rows at a time: gguf's numpy
         dequantize makes several float32 temporaries of its input, which for a whole embedding is hundreds of MB."""

@@ -76,7 +76,9 @@ def read_header(path: Path) -> tuple[int, list[tuple[str, dict[str, Any]]]]:
         except (KeyError, TypeError, ValueError) as exc:
             raise CheckpointFileError(f"{path}: corrupt header entry for {name!r} ({exc!r})") from exc
         if end - begin != numel * dtype.itemsize or begin < 0:
-            raise CheckpointFileError(f"{path}: corrupt header: {name!r} spans {end - begin} bytes for {numel} elements")
+            raise CheckpointFileError(
+                f"{path}: corrupt header: {name!r} spans {end - begin} bytes for {numel} elements"
+            )
         if data_start + end > size:
             raise CheckpointFileError(
                 f"{path}: truncated: tensor {name!r} ends at byte {data_start + end} but the file has {size} bytes"

@@ -35,12 +35,20 @@ def test_batched_decode_matches_float64(dtype: torch.dtype, tol: float, window: 
     padded = [t + [-1] * (3 - len(t)) for t in tables]
     nb = 3
     batch = Batch(
-        input_ids=torch.zeros(3, dtype=torch.int64), positions=torch.tensor([c - 1 for c in ctx]),
-        slot_mapping=torch.tensor(slots), block_tables=torch.tensor(padded, dtype=torch.int32),
-        context_lens=torch.tensor(ctx, dtype=torch.int32), query_start_loc=torch.arange(4, dtype=torch.int32),
-        logits_indices=torch.arange(3), num_decode=3, max_query_len=1, max_context_len=12,
-        query_lens_cpu=[1, 1, 1], context_lens_cpu=ctx,
-        decode_block_ids=torch.tensor([b for t in padded for b in t]).clamp(min=0), decode_blocks=nb,
+        input_ids=torch.zeros(3, dtype=torch.int64),
+        positions=torch.tensor([c - 1 for c in ctx]),
+        slot_mapping=torch.tensor(slots),
+        block_tables=torch.tensor(padded, dtype=torch.int32),
+        context_lens=torch.tensor(ctx, dtype=torch.int32),
+        query_start_loc=torch.arange(4, dtype=torch.int32),
+        logits_indices=torch.arange(3),
+        num_decode=3,
+        max_query_len=1,
+        max_context_len=12,
+        query_lens_cpu=[1, 1, 1],
+        context_lens_cpu=ctx,
+        decode_block_ids=torch.tensor([b for t in padded for b in t]).clamp(min=0),
+        decode_blocks=nb,
         decode_mask=(torch.arange(nb * block_size)[None, :] < torch.tensor(ctx)[:, None])[:, None, None, :],
     )
     out = attn(q, k_new, v_new, batch)

@@ -31,7 +31,9 @@ DECODE_STEPS = 16
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
-def family_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, PreTrainedModel, Path]:
+def family_model(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[str, PreTrainedModel, Path]:
     family = request.param
     model = build_hf(family)
     return family, model, save_hf(model, tmp_path_factory.mktemp(family))
@@ -42,7 +44,9 @@ def test_config_carries_the_family_quirks(family_model: tuple[str, PreTrainedMod
     config = load_config(folder)
     hf = model.config.get_text_config()
     assert (config.num_layers, config.num_heads, config.num_kv_heads) == (
-        hf.num_hidden_layers, hf.num_attention_heads, hf.num_key_value_heads
+        hf.num_hidden_layers,
+        hf.num_attention_heads,
+        hf.num_key_value_heads,
     )
     assert config.tie_word_embeddings == model.config.tie_word_embeddings
     expected_windows = {
@@ -107,8 +111,12 @@ def test_paged_decode_matches_transformers_and_greedy_is_identical(
         assert (ours - reference).abs().max().item() <= TOL
         with torch.no_grad():
             hf_tokens = model.generate(
-                torch.tensor([prompt]), do_sample=False, max_new_tokens=DECODE_STEPS, min_new_tokens=DECODE_STEPS,
-                eos_token_id=None, pad_token_id=0,
+                torch.tensor([prompt]),
+                do_sample=False,
+                max_new_tokens=DECODE_STEPS,
+                min_new_tokens=DECODE_STEPS,
+                eos_token_id=None,
+                pad_token_id=0,
             )[0, len(prompt) :].tolist()
         assert tokens == hf_tokens
 
