@@ -21,11 +21,11 @@ sys.path.insert(0, str(ROOT))  # run as a script from anywhere: `config`, `model
 sys.path.insert(0, str(ROOT / "bench"))
 
 import torch  # noqa: E402
+from serve_bench import chat_messages  # noqa: E402  (same prompt text as the HTTP benchmark)
 
 from config.settings import load_settings  # noqa: E402
 from model.engine.engine import Engine  # noqa: E402
 from model.engine.sequence import SamplingParams  # noqa: E402
-from serve_bench import chat_messages  # noqa: E402  (same prompt text as the HTTP benchmark)
 
 
 @dataclass(slots=True)

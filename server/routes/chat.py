@@ -38,6 +38,7 @@ from server.routes.common import (
     serving,
     submit,
 )
+from server.streaming import collect_unless_disconnected, sse_response
 from server.tools import (
     ToolCallDelta,
     ToolCallFormat,
@@ -47,7 +48,6 @@ from server.tools import (
     template_messages,
     tool_setup,
 )
-from server.streaming import collect_unless_disconnected, sse_response
 
 router = APIRouter(responses=ERROR_RESPONSES)
 _STREAM_DOC: dict[int | str, dict[str, Any]] = {
