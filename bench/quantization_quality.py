@@ -75,8 +75,8 @@ def main() -> None:
     }
     for flags, overrides in variants.items():
         q_tokens, q_logits = run(Engine(Settings(enable_prefix_caching=False, **overrides)))
-        same = sum(a == b for a, b in zip(f32_tokens, q_tokens))
-        max_err = max((a - b).abs().max().item() for a, b in zip(f32_logits, q_logits))
+        same = sum(a == b for a, b in zip(f32_tokens, q_tokens, strict=True))
+        max_err = max((a - b).abs().max().item() for a, b in zip(f32_logits, q_logits, strict=True))
         print(f"| `{flags}` | {len(PROMPTS)} | {same} | {max_err:.3f} |")
 
 

@@ -25,6 +25,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
+from itertools import pairwise
 from pathlib import Path
 
 import httpx
@@ -65,7 +66,7 @@ class StreamResult:
 
     @property
     def gaps(self) -> list[float]:
-        return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
+        return [b - a for a, b in pairwise(self.token_times)]
 
 
 @dataclass(slots=True)
@@ -254,7 +255,7 @@ class LongPromptResult:
     @property
     def short_max_gap(self) -> float:
         """Longest wait of a short stream for its next token once the long prompts were in."""
-        gaps = [b - a for s in self.short for a, b in zip(s.token_times, s.token_times[1:]) if b > self.long_sent]
+        gaps = [b - a for s in self.short for a, b in pairwise(s.token_times) if b > self.long_sent]
         return max(gaps, default=float("nan"))
 
 

@@ -231,7 +231,7 @@ class Validation:
 
 
 def validate(engine: Engine, run: LoadRun, into: Validation) -> None:
-    for toks, reason, schema in zip(run.tokens, run.finish, run.schemas):
+    for toks, reason, schema in zip(run.tokens, run.finish, run.schemas, strict=True):
         if schema is None:
             continue
         if reason != "stop":

@@ -70,9 +70,11 @@ class SamplingBatch:
             return torch.tensor(list(values), dtype=dtype, device=device)
 
         greedy = [p.temperature < _MIN_TEMPERATURE for p in params]
-        sampled = [p for p, g in zip(params, greedy) if not g]
+        sampled = [p for p, g in zip(params, greedy, strict=True) if not g]
         batch = cls(
-            temperature=tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)], torch.float32),
+            temperature=tensor(
+                [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)], torch.float32
+            ),
             top_k=tensor([p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params], torch.int64),
             top_p=tensor([p.top_p for p in params], torch.float32),
             all_greedy=all(greedy),
@@ -89,7 +91,7 @@ class SamplingBatch:
 
         bias = [(i, t, b) for i, p in enumerate(params) for t, b in (p.logit_bias or {}).items() if 0 <= t < vocab_size]
         if bias:
-            bias_rows, bias_ids, bias_values = zip(*bias)
+            bias_rows, bias_ids, bias_values = zip(*bias, strict=True)
             batch.logit_bias = (
                 tensor(bias_rows, torch.int64),
                 tensor(bias_ids, torch.int64),
@@ -100,13 +102,13 @@ class SamplingBatch:
         # A constrained row ends where its grammar does: banning the end there would leave it no token at all.
         banned = [
             (i, t)
-            for i, (p, out) in enumerate(zip(params, output_token_ids))
+            for i, (p, out) in enumerate(zip(params, output_token_ids, strict=True))
             if len(out) < p.min_tokens and p.constraint is None
             for t in {*eos_token_ids, *p.stop_token_ids}
             if 0 <= t < vocab_size
         ]
         if banned:
-            banned_rows, banned_ids = zip(*banned)
+            banned_rows, banned_ids = zip(*banned, strict=True)
             batch.banned = (tensor(banned_rows, torch.int64), tensor(banned_ids, torch.int64))
 
         pen = [i for i, p in enumerate(params) if p.presence_penalty != 0 or p.frequency_penalty != 0]
@@ -311,5 +313,5 @@ def compute_logprobs(raw: torch.Tensor, token_ids: torch.Tensor, wanted: list[in
     out: list[TokenLogprob | None] = [None] * len(wanted)
     for j, i in enumerate(rows):
         k = wanted[i] or 0
-        out[i] = TokenLogprob(int(token_ids[i]), chosen[j], list(zip(top_ids[j][:k], top_values[j][:k])))
+        out[i] = TokenLogprob(int(token_ids[i]), chosen[j], list(zip(top_ids[j][:k], top_values[j][:k], strict=True)))
     return out

@@ -31,7 +31,7 @@ def test_batched_decode_matches_float64(dtype: torch.dtype, tol: float, window: 
     q = torch.randn(3, heads, dim).to(dtype)
     k_new = torch.randn(3, kv_heads, dim).to(dtype)
     v_new = torch.randn(3, kv_heads, dim).to(dtype)
-    slots = [t[(c - 1) // block_size] * block_size + (c - 1) % block_size for t, c in zip(tables, ctx)]
+    slots = [t[(c - 1) // block_size] * block_size + (c - 1) % block_size for t, c in zip(tables, ctx, strict=True)]
     padded = [t + [-1] * (3 - len(t)) for t in tables]
     nb = 3
     batch = Batch(
@@ -52,7 +52,7 @@ def test_batched_decode_matches_float64(dtype: torch.dtype, tol: float, window: 
         decode_mask=(torch.arange(nb * block_size)[None, :] < torch.tensor(ctx)[:, None])[:, None, None, :],
     )
     out = attn(q, k_new, v_new, batch)
-    for i, (table, c) in enumerate(zip(tables, ctx)):
+    for i, (table, c) in enumerate(zip(tables, ctx, strict=True)):
         k = attn.k_cache[table].reshape(-1, kv_heads, dim)[:c]  # includes the K just written through slot_mapping
         v = attn.v_cache[table].reshape(-1, kv_heads, dim)[:c]
         assert torch.equal(k[-1], k_new[i]) and torch.equal(v[-1], v_new[i])

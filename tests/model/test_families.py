@@ -62,7 +62,7 @@ def test_prefill_logits_match_transformers(family_model: tuple[str, PreTrainedMo
     _, model, folder = family_model
     batch = prompts()  # 5, 23 and 50 tokens in one batch: the last crosses the sliding window of 16
     ours = our_logits(load_ours(folder), batch)
-    for prompt, logits in zip(batch, ours):
+    for prompt, logits in zip(batch, ours, strict=True):
         reference = hf_logits(model, prompt)
         assert logits.shape == reference.shape
         assert (logits - reference).abs().max().item() <= TOL
@@ -98,7 +98,7 @@ def test_paged_decode_matches_transformers_and_greedy_is_identical(
             generated[out.request_id] += out.new_token_ids
     per_request: dict[str, list[torch.Tensor]] = {rid: [] for rid in generated}
     for ids, logits in captured:
-        for rid, row in zip(ids, logits):
+        for rid, row in zip(ids, logits, strict=True):
             per_request[rid].append(row)
 
     for i, prompt in enumerate(batch):
@@ -140,7 +140,7 @@ def test_bfloat16_is_as_close_to_float32_as_transformers_own_bfloat16(
     assert {p.dtype for p in decoder.parameters()} == {torch.bfloat16}
     model_bf16 = copy.deepcopy(model).to(torch.bfloat16)
     batch = prompts()
-    for prompt, logits in zip(batch, our_logits(decoder, batch)):
+    for prompt, logits in zip(batch, our_logits(decoder, batch), strict=True):
         exact = hf_logits(model, prompt)
         theirs = (hf_logits(model_bf16, prompt) - exact).abs().max().item()
         ours = (logits - exact).abs().max().item()
@@ -181,7 +181,7 @@ def test_longrope_matches_transformers_cached_decoding_across_the_pretraining_le
     folder = save_hf(model, tmp_path / "m")
     assert load_config(folder).rope_scaling["rope_type"] == "longrope"  # type: ignore[index]
     batch = prompts(seed=3, lengths=(7, 40, 61))  # all within the 64 pretraining positions: short_factor
-    for prompt, logits in zip(batch, our_logits(load_ours(folder), batch)):
+    for prompt, logits in zip(batch, our_logits(load_ours(folder), batch), strict=True):
         assert (logits - hf_logits(model, prompt)).abs().max().item() <= TOL
     # decode positions 61..76 one by one through our paged cache and through transformers' own cache
     engine = Engine(Settings(model=str(folder), kv_cache_memory=2**20, block_size=16), tokenizer=make_tokenizer())

@@ -168,7 +168,7 @@ def test_gguf_type_dequantizes_exactly_and_stays_within_quantization_error(
     quantized_model.load_state_dict(dequantized)
     decoder = load_ours(path, 128)
     batch = prompts(lengths=(7, 30))
-    for prompt, logits in zip(batch, our_logits(decoder, batch)):
+    for prompt, logits in zip(batch, our_logits(decoder, batch), strict=True):
         assert (logits - hf_logits(quantized_model, prompt)).abs().max().item() <= 1e-4
         reference = hf_logits(float_model, prompt)
         error = ((logits - reference).norm() / reference.norm()).item()
@@ -210,7 +210,7 @@ def test_qwen_gguf_keeps_transformers_layout(family: str, qtype: Q, tmp_path: Pa
             if p.dim() == 2 and qtype != Q.F32:
                 p.copy_(torch.from_numpy(gguf.quants.dequantize(quantize(p.numpy(), qtype), qtype)))
     batch = prompts()
-    for prompt, logits in zip(batch, our_logits(load_ours(path), batch)):
+    for prompt, logits in zip(batch, our_logits(load_ours(path), batch), strict=True):
         assert (logits - hf_logits(reference, prompt)).abs().max().item() <= 1e-4
     if (
         family == "qwen2" and qtype == Q.F32

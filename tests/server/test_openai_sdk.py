@@ -166,7 +166,7 @@ def test_completion_integer_logprobs(client: openai.OpenAI) -> None:
     assert lp is not None and lp.tokens is not None and len(lp.tokens) == 3
     assert "".join(lp.tokens) == r.choices[0].text
     assert lp.text_offset == [0, len(lp.tokens[0]), len(lp.tokens[0]) + len(lp.tokens[1])]
-    for token, logprob, top in zip(lp.tokens, lp.token_logprobs or [], lp.top_logprobs or []):
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs or [], lp.top_logprobs or [], strict=True):
         assert 2 <= len(top) <= 3 and top[token] == logprob
 
 
