@@ -48,10 +48,11 @@ def main() -> None:
             weights = [torch.randn(out_features, in_features, dtype=dtype) for _ in range(layers)]
             packed = [torch.ops.mkldnn._reorder_linear_weight(w, 16) for w in weights]
             x = torch.randn(rows, in_features, dtype=dtype)
+            # The lambdas run inside seconds_per_call, in this iteration: late binding of x, weights, packed is moot.
             with torch.inference_mode():
-                aten = seconds_per_call(lambda: [F.linear(x, w) for w in weights], args.repeats)
+                aten = seconds_per_call(lambda: [F.linear(x, w) for w in weights], args.repeats)  # noqa: B023
                 onednn = seconds_per_call(
-                    lambda: [torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "") for p in packed],
+                    lambda: [torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "") for p in packed],  # noqa: B023
                     args.repeats,
                 )
             gb = layers * out_features * in_features * dtype.itemsize / 1e9

@@ -92,7 +92,7 @@ def measure(folder: Path, dtype_name: str, reader: str, build: str) -> dict:
         def read_weights(path: Path, config: object):  # type: ignore[no-untyped-def]
             for f in sorted(Path(path).glob("*.safetensors")):
                 with safe_open(str(f), framework="pt") as handle:
-                    for name in handle.keys():
+                    for name in handle.keys():  # noqa: SIM118 - safe_open handles have keys(), no __iter__
                         yield name, handle.get_tensor(name)
 
         runner.read_weights = read_weights  # type: ignore[assignment]

@@ -32,7 +32,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 
-WORDS = (
+WORDS = (  # noqa: SIM905 - a paragraph reads better than a list of 98 quoted words
     "the server reads a model from disk and answers many clients at once while each request waits for its turn "
     "memory blocks hold keys and values for every token so a long story can continue without computing the past "
     "again river mountain garden window kitchen library market station harbor village forest desert island bridge "
@@ -357,7 +357,8 @@ class SpawnedServer:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
-        self.log = tempfile.NamedTemporaryFile(prefix="llmserve-bench-", suffix=".log", delete=False)
+        # The server's output for its whole life, and kept afterwards (its name is in the errors): no `with`.
+        self.log = tempfile.NamedTemporaryFile(prefix="llmserve-bench-", suffix=".log", delete=False)  # noqa: SIM115
         cmd = [
             sys.executable,
             "-m",

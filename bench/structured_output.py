@@ -337,7 +337,7 @@ def profile(
         "allocate_token_bitmask",
     )
     print()
-    for name, sec, calls, res in rows:
+    for name, sec, _calls, res in rows:
         grammar = sum(sec.get(k, 0.0) for k in grammar_calls)
         print(
             f"{name}: constraint work (fill + alloc + clone/apply + accept + is_terminated) {1e3 * grammar / res.steps:.2f} "

@@ -137,7 +137,9 @@ class ModelConfig:
         try:
             raw = json.loads((folder / "config.json").read_text())
         except FileNotFoundError:
-            raise FileNotFoundError(f"{folder}: no config.json (expected a Hugging Face model folder or a .gguf file)")
+            raise FileNotFoundError(
+                f"{folder}: no config.json (expected a Hugging Face model folder or a .gguf file)"
+            ) from None
         except json.JSONDecodeError as exc:
             raise ValueError(f"{folder / 'config.json'}: not valid JSON ({exc})") from exc
         model_type = raw.get("model_type", "")

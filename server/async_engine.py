@@ -8,6 +8,7 @@ with "stop" and aborts its engine request, as vLLM's output processor does.
 """
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
@@ -182,10 +183,8 @@ class AsyncEngine:
     def _on_outputs(self, outputs: list[StepOutput]) -> None:  # worker thread
         loop = self._loop
         if loop is not None and not loop.is_closed():
-            try:
+            with contextlib.suppress(RuntimeError):  # loop closed between the check and the call, at shutdown
                 loop.call_soon_threadsafe(self._dispatch, outputs)
-            except RuntimeError:  # loop closed between the check and the call, at shutdown
-                pass
 
     def _dispatch(self, outputs: list[StepOutput]) -> None:  # event loop
         for out in outputs:

@@ -7,7 +7,7 @@ Response and chunk models live in `server/responses.py`.
 
 import json
 import logging
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -102,6 +102,11 @@ Bias = Annotated[float, Field(ge=-100, le=100)]
 class SamplingFields(OpenAIModel):
     """Fields that chat and completions share; each subclass re-declares its own in documentation order."""
 
+    if TYPE_CHECKING:  # declared for the type checker only: at run time the subclasses' own fields keep their order
+        stop: Stop
+        stop_token_ids: list[int] | None
+        logit_bias: dict[str, Bias] | None
+
     def _common_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         data = {name: getattr(self, name) for name in type(self).model_fields}  # subclasses declare the fields
         temperature = 1.0 if data["temperature"] is None else data["temperature"]
@@ -191,19 +196,19 @@ class SamplingFields(OpenAIModel):
         return found[0] if found else None
 
     def stop_strings(self) -> list[str]:
-        stop = getattr(self, "stop")
+        stop = self.stop
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         if any(s == "" for s in stops):
             raise bad_request("stop strings must not be empty", param="stop")
         return stops
 
     def check_token_ids(self, vocab_size: int) -> None:
-        for token_id in getattr(self, "stop_token_ids") or []:
+        for token_id in self.stop_token_ids or []:
             if not 0 <= token_id < vocab_size:
                 raise bad_request(
                     f"stop_token_ids: {token_id} is not a token id (vocabulary size {vocab_size})", "stop_token_ids"
                 )
-        for token_id in _logit_bias(getattr(self, "logit_bias")) or {}:
+        for token_id in _logit_bias(self.logit_bias) or {}:
             if not 0 <= token_id < vocab_size:
                 raise bad_request(
                     f"logit_bias: {token_id} is not a token id (vocabulary size {vocab_size})", "logit_bias"

@@ -23,8 +23,6 @@ T = TypeVar("T")
 
 
 def sse_response(request: Request, chunks: AsyncIterator[BaseModel], stream: RequestStream) -> EventSourceResponse:
-    metrics = request.app.state.metrics
-
     async def events() -> AsyncIterator[dict[str, Any]]:
         failed = False
         try:

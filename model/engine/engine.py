@@ -253,9 +253,10 @@ class Engine:
                 return "stop"
             if seq.matcher.is_terminated():  # the grammar is complete and its stop token was sampled
                 return "stop"
-        if seq.num_output_tokens >= p.min_tokens:
-            if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
-                return "stop"
+        if seq.num_output_tokens >= p.min_tokens and (
+            (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids
+        ):
+            return "stop"
         if seq.num_output_tokens >= p.max_tokens or len(seq) >= self.max_model_len:
             return "length"
         return None

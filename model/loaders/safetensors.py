@@ -5,6 +5,7 @@ We read the format ourselves (8-byte header length, JSON header, raw data) rathe
 each tensor's pages can be dropped from the process (madvise DONTNEED) once the next one is asked for: resident
 memory while loading stays at the model plus one tensor, instead of growing by every mapped shard."""
 
+import contextlib
 import json
 import mmap
 from collections.abc import Iterator
@@ -112,7 +113,5 @@ def read_safetensors_file(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
             start = begin // page * page
             mm.madvise(mmap.MADV_DONTNEED, start, end - start)
     finally:
-        try:
+        with contextlib.suppress(BufferError):  # a consumer still holds a view; the mapping goes with the last one
             mm.close()
-        except BufferError:
-            pass  # a consumer still holds a view; the mapping goes when the last view does

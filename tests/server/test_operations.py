@@ -62,12 +62,14 @@ def _wait_running(server: LiveServer) -> dict[str, float]:
 
 def test_disconnect_mid_stream_frees_blocks(server: LiveServer) -> None:
     before = _baseline(server)
-    with httpx.Client(base_url=server.url, headers=auth(), timeout=60) as client:
-        with client.stream("POST", "/v1/chat/completions", json={**CHAT, **ENDLESS, "stream": True}) as response:
-            for line in response.iter_lines():
-                if '"content":"' in line and '"content":""' not in line:
-                    _wait_running(server)
-                    break  # tokens are flowing: hang up (leaving iter_lines early closes the connection)
+    with (
+        httpx.Client(base_url=server.url, headers=auth(), timeout=60) as client,
+        client.stream("POST", "/v1/chat/completions", json={**CHAT, **ENDLESS, "stream": True}) as response,
+    ):
+        for line in response.iter_lines():
+            if '"content":"' in line and '"content":""' not in line:
+                _wait_running(server)
+                break  # tokens are flowing: hang up (leaving iter_lines early closes the connection)
     after = wait_until_idle(server)
     assert after["vllm:num_requests_running"] == 0 and after["llmserve:kv_blocks_used"] == 0
     assert after["llmserve:client_disconnects_total"] == before["llmserve:client_disconnects_total"] + 1
