@@ -113,7 +113,8 @@ def run_level(engine: Engine, first_index: int, n: int, prompt_tokens: int, gen_
 
 def print_table(results: list[LevelResult]) -> None:
     print(
-        "| streams | prompt tok | output tok/s | decode tok/s | steps/s | ms/decode step | mean batch | prefill s | total s |"
+        "| streams | prompt tok | output tok/s | decode tok/s | steps/s "
+        "| ms/decode step | mean batch | prefill s | total s |"
     )
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in results:
@@ -126,7 +127,8 @@ def print_table(results: list[LevelResult]) -> None:
     if base is not None and top is not base:
         print(
             f"\n{top.concurrency} vs 1 streams: output tok/s x{top.output_tps / base.output_tps:.2f}, "
-            f"decode tok/s x{top.decode_tps / base.decode_tps:.2f} (issue 3 target: decode x6; single stream >= 35 tok/s)"
+            f"decode tok/s x{top.decode_tps / base.decode_tps:.2f} "
+            "(issue 3 target: decode x6; single stream >= 35 tok/s)"
         )
 
 
@@ -151,7 +153,8 @@ def profile_decode(engine: Engine, n: int, prompt_tokens: int, num_steps: int, r
     op_cpu_us = sum(e.self_cpu_time_total for e in averages)
     print(f"\n## torch.profiler: {num_steps} decode steps at {n} streams, {1000 * wall / num_steps:.1f} ms/step wall")
     print(
-        f"(self CPU time of all recorded ops: {op_cpu_us / 1000 / num_steps:.1f} ms/step; the rest is Python outside torch ops)\n"
+        f"(self CPU time of all recorded ops: {op_cpu_us / 1000 / num_steps:.1f} ms/step; "
+        "the rest is Python outside torch ops)\n"
     )
     print(averages.table(sort_by="self_cpu_time_total", row_limit=row_limit))
     # The same ops split by input shapes: which matrix product (LM head, MLP, QKV) the time goes to.
@@ -189,10 +192,12 @@ def main() -> None:
     engine = Engine(settings)
     print(f"# engine throughput\n\n{engine.describe()}")
     print(
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}"
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs, "
+        f"load average {os.getloadavg()[0]:.1f}"
     )
     print(
-        f"prompt ~{args.prompt_tokens} tokens, {args.gen_tokens} generated (greedy, EOS ignored), max_num_batched_tokens={settings.max_num_batched_tokens}\n"
+        f"prompt ~{args.prompt_tokens} tokens, {args.gen_tokens} generated (greedy, EOS ignored), "
+        f"max_num_batched_tokens={settings.max_num_batched_tokens}\n"
     )
 
     run_level(engine, -1, 1, args.prompt_tokens, 8)  # warm-up: first-call allocations and kernel selection

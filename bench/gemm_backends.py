@@ -37,7 +37,8 @@ def main() -> None:
     dtype = DTYPES[args.dtype]
     torch.manual_seed(0)
     print(
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype}, load average {os.getloadavg()[0]:.2f}\n"
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype}, "
+        f"load average {os.getloadavg()[0]:.2f}\n"
     )
     print("| rows | matrix | aten F.linear ms | oneDNN packed ms | speed-up | packed GB/s |")
     print("|---:|---|---:|---:|---:|---:|")
@@ -57,7 +58,8 @@ def main() -> None:
                 )
             gb = layers * out_features * in_features * dtype.itemsize / 1e9
             print(
-                f"| {rows} | {name} x{layers} | {aten * 1e3:.2f} | {onednn * 1e3:.2f} | x{aten / onednn:.2f} | {gb / onednn:.1f} |"
+                f"| {rows} | {name} x{layers} | {aten * 1e3:.2f} | {onednn * 1e3:.2f} "
+                f"| x{aten / onednn:.2f} | {gb / onednn:.1f} |"
             )
             if rows == args.rows[0]:
                 totals["aten"] += aten

@@ -1,6 +1,7 @@
 """Peak resident memory while loading a ~500 MB safetensors folder into our decoder.
 
-    .venv/bin/python bench/load_memory.py [--folder DIR] [--dtype bfloat16 float32] [--reader ours safe_open] [--build build_decoder allocate]
+    .venv/bin/python bench/load_memory.py [--folder DIR] [--dtype bfloat16 float32] [--reader ours safe_open] \
+        [--build build_decoder allocate]
 
 Writes a random Llama-shaped checkpoint (bfloat16, sharded, with an index) unless --folder already holds one, then
 loads it in a fresh process per target dtype and reports VmHWM (the kernel's peak RSS) against the model's size in
@@ -39,7 +40,8 @@ def tensor_shapes(c: dict) -> dict[str, tuple[int, ...]]:
         shapes |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
                    p + "self_attn.q_proj.weight": (h, h), p + "self_attn.k_proj.weight": (kv, h),
                    p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, h),
-                   p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h), p + "mlp.down_proj.weight": (h, i)}  # fmt: skip
+                   p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
+                   p + "mlp.down_proj.weight": (h, i)}  # fmt: skip
     return shapes
 
 
@@ -106,8 +108,9 @@ def measure(folder: Path, dtype_name: str, reader: str, build: str) -> dict:
         decoder = build_decoder(folder, config, 2048, dtype, torch.device("cpu"))
     after, peak = peak_rss_kib()
     model_kib = sum(p.numel() for p in decoder.parameters()) * dtype.itemsize // 1024
-    return {"dtype": dtype_name, "reader": reader, "build": build, "model_mib": model_kib / 1024, "baseline_mib": baseline / 1024,
-            "peak_mib": peak / 1024, "after_mib": after / 1024, "added_over_model": (peak - baseline) / model_kib}  # fmt: skip
+    return {"dtype": dtype_name, "reader": reader, "build": build, "model_mib": model_kib / 1024,
+            "baseline_mib": baseline / 1024, "peak_mib": peak / 1024, "after_mib": after / 1024,
+            "added_over_model": (peak - baseline) / model_kib}  # fmt: skip
 
 
 def main() -> None:

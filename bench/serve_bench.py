@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/serve_bench.py --spawn --concurrency 1 4 16 32 64 --out bench/RESULTS.md
     .venv/bin/python bench/serve_bench.py --url http://127.0.0.1:8080/v1 --concurrency 1 16   # e.g. llama-server
-    .venv/bin/python bench/serve_bench.py --spawn --concurrency --long-prompts                 # only the long-prompt mix
+    .venv/bin/python bench/serve_bench.py --spawn --concurrency --long-prompts                # only the long-prompt mix
 
 Each level runs `concurrency` closed-loop clients (a client sends its next request when the last one ends) until
 `--requests-per-stream` x concurrency requests are done; every request is ~--prompt-tokens chat tokens (different
@@ -287,7 +287,10 @@ async def run_long_prompts(
 
 
 def level_table(levels: list[LevelResult], with_rss: bool) -> str:
-    head = "| streams | requests | prompt tok | output tok/s | requests/s | TTFT p50 s | TTFT p99 s | ITL p50 ms | ITL p99 ms | max gap s | errors |"
+    head = (
+        "| streams | requests | prompt tok | output tok/s | requests/s "
+        "| TTFT p50 s | TTFT p99 s | ITL p50 ms | ITL p99 ms | max gap s | errors |"
+    )
     rule = "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
     with_preemptions = any(lv.preemptions is not None for lv in levels)
     if with_rss:
@@ -317,7 +320,8 @@ def long_table(r: LongPromptResult) -> str:
     prompt = statistics.mean(s.prompt_tokens for s in r.long) if r.long else 0
     return "\n".join(
         [
-            "| long prompts | prompt tok | long TTFT p50 s | long TTFT max s | short streams | short max gap s | errors |",
+            "| long prompts | prompt tok | long TTFT p50 s | long TTFT max s "
+            "| short streams | short max gap s | errors |",
             "|---:|---:|---:|---:|---:|---:|---:|",
             f"| {len(r.long)} | {prompt:.0f} | {percentile(ttfts, 50):.2f} | {max(ttfts, default=float('nan')):.2f} | "
             f"{len(r.short)} | {r.short_max_gap:.2f} | {sum(1 for s in r.long + r.short if s.error)} |",
@@ -415,7 +419,8 @@ async def measure(args: argparse.Namespace) -> Run:
             started = time.perf_counter()
             await server.wait_ready()
             print(
-                f"spawned llmserve on {server.url} (ready in {time.perf_counter() - started:.1f}s; log {server.log.name})",
+                f"spawned llmserve on {server.url} "
+                f"(ready in {time.perf_counter() - started:.1f}s; log {server.log.name})",
                 file=sys.stderr,
             )
         pid = server.proc.pid if server is not None else None
@@ -459,8 +464,9 @@ def write_report(args: argparse.Namespace, run: Run) -> str:
         "",
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; server: {run.server}; model: {run.model}; "
         f"{os.cpu_count()} CPUs, load average at end {os.getloadavg()[0]:.1f} (client and server share the CPUs).",
-        f"Streaming chat completions, ~{args.prompt_tokens} prompt tokens (distinct text per request), {args.max_tokens} "
-        f"output tokens, ignore_eos, temperature 0; closed loop, {args.requests_per_stream} requests per stream (at least {args.min_requests}).",
+        f"Streaming chat completions, ~{args.prompt_tokens} prompt tokens (distinct text per request), "
+        f"{args.max_tokens} output tokens, ignore_eos, temperature 0; closed loop, "
+        f"{args.requests_per_stream} requests per stream (at least {args.min_requests}).",
         "",
         f"Command: `{shlex.join([_short_path(sys.executable), *sys.argv])}`",
         "",
@@ -471,14 +477,18 @@ def write_report(args: argparse.Namespace, run: Run) -> str:
             report += [f"Server RSS idle (after warm-up): {run.idle_rss_mib:.0f} MiB.", ""]
     if run.long is not None:
         report += [
-            f"## Long prompts: {args.long_streams} x ~{args.long_prompt_tokens} tokens arrive while {args.long_streams} short streams decode",
+            f"## Long prompts: {args.long_streams} x ~{args.long_prompt_tokens} tokens arrive "
+            f"while {args.long_streams} short streams decode",
             "",
             long_table(run.long),
             "",
         ]
     if run.levels and args.out:
         png = Path(args.out).with_suffix(".png")
-        title = f"{run.server}, {run.model}: ~{args.prompt_tokens} prompt tok, {args.max_tokens} output tok, EOS ignored, T=0"
+        title = (
+            f"{run.server}, {run.model}: ~{args.prompt_tokens} prompt tok, "
+            f"{args.max_tokens} output tok, EOS ignored, T=0"
+        )
         plot(run.levels, png, title)
         report += [f"![throughput and TTFT vs concurrency]({png.name})", ""]
     return "\n".join(report)

@@ -340,8 +340,9 @@ def profile(
     for name, sec, _calls, res in rows:
         grammar = sum(sec.get(k, 0.0) for k in grammar_calls)
         print(
-            f"{name}: constraint work (fill + alloc + clone/apply + accept + is_terminated) {1e3 * grammar / res.steps:.2f} "
-            f"ms/step = {100 * grammar / sec['Engine.step']:.0f} % of Engine.step ({1e3 * sec['Engine.step'] / res.steps:.1f} ms)"
+            f"{name}: constraint work (fill + alloc + clone/apply + accept + is_terminated) "
+            f"{1e3 * grammar / res.steps:.2f} ms/step = {100 * grammar / sec['Engine.step']:.0f} % of Engine.step "
+            f"({1e3 * sec['Engine.step'] / res.steps:.1f} ms)"
         )
 
 
@@ -378,7 +379,8 @@ def main() -> None:
         f"load average {os.getloadavg()[0]:.1f}; xgrammar {xgrammar_version()}"
     )
     print(
-        f"{args.streams} streams, temperature {args.temperature} (seed = stream), max_tokens {args.max_tokens} constrained, "
+        f"{args.streams} streams, temperature {args.temperature} (seed = stream), "
+        f"max_tokens {args.max_tokens} constrained, "
         f"{args.rounds} rounds, max_num_batched_tokens={settings.max_num_batched_tokens}\n"
     )
 
@@ -388,18 +390,21 @@ def main() -> None:
     print("| | ms |\n|---|---:|")
     if ct.cache_build_ms is not None:
         print(
-            f"| grammar cache built (the first constrained request only: tokenizer info for xgrammar) | {ct.cache_build_ms:.0f} |"
+            "| grammar cache built (the first constrained request only: tokenizer info for xgrammar) "
+            f"| {ct.cache_build_ms:.0f} |"
         )
     print(f"| first JSON-schema compile in the process | {ct.first_in_process_ms:.1f} |")
     print(
-        f"| first use of a new schema, median of {len(ct.first_use_ms)} (min-max) | {statistics.median(ct.first_use_ms):.1f} "
+        f"| first use of a new schema, median of {len(ct.first_use_ms)} (min-max) "
+        f"| {statistics.median(ct.first_use_ms):.1f} "
         f"({min(ct.first_use_ms):.1f}-{max(ct.first_use_ms):.1f}) |"
     )
     print(f"| cached: `lookup` hit | {ct.lookup_hit_us / 1e3:.4f} |")
     print(f"| cached: `GrammarSpec.json_schema(dict)` + `compile` hit | {ct.request_hit_us / 1e3:.4f} |")
     print(f"| a GrammarMatcher per sequence | {ct.matcher_us / 1e3:.4f} |")
     print(
-        f"\nissue 14 goal: first-use compile < 50 ms -> {'met' if statistics.median(ct.first_use_ms) < 50 else 'NOT met'}\n",
+        "\nissue 14 goal: first-use compile < 50 ms -> "
+        f"{'met' if statistics.median(ct.first_use_ms) < 50 else 'NOT met'}\n",
         flush=True,
     )
 
@@ -466,7 +471,8 @@ def main() -> None:
             if name in checks:
                 validate(engine, run, checks[name])
             print(
-                f"  round {r + 1}: {name}: {run.result.output_tps:.1f} output tok/s, {run.result.output_tokens} tokens, "
+                f"  round {r + 1}: {name}: {run.result.output_tps:.1f} output tok/s, "
+                f"{run.result.output_tokens} tokens, "
                 f"{run.result.seconds:.1f} s",
                 file=sys.stderr,
                 flush=True,

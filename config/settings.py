@@ -42,7 +42,8 @@ class Settings(BaseSettings):
     max_num_seqs: int = Field(64, description="most sequences in one step")
     max_num_batched_tokens: int = Field(
         256,
-        description="most tokens (prefill + decode) in one step; smaller keeps running streams flowing during long prompts",
+        description="most tokens (prefill + decode) in one step; "
+        "smaller keeps running streams flowing during long prompts",
     )
     enable_prefix_caching: bool = Field(True, description="reuse KV blocks of earlier prompts with the same prefix")
 

@@ -1,5 +1,6 @@
 """ModelConfig: everything the decoder needs to know of an architecture, read from config.json or GGUF metadata.
-Every architecture quirk is a field here (filled from the FAMILIES table), never a branch on the model type elsewhere."""
+Every architecture quirk is a field here (filled from the FAMILIES table), never a branch on the model
+type elsewhere."""
 
 import json
 from dataclasses import dataclass, field, replace

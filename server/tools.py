@@ -105,7 +105,8 @@ def tools_prompt(tools: list[dict[str, Any]], fmt: ToolCallFormat) -> str:
     example = fmt.call_text("<function-name>", "<args-json-object>").replace('"<function-name>"', "<function-name>")
     return (
         "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-        f"You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{signatures}\n</tools>\n\n"
+        "You are provided with function signatures within <tools></tools> XML tags:\n"
+        f"<tools>\n{signatures}\n</tools>\n\n"
         f"For each function call, return a json object with function name and arguments like this:\n{example}"
     )
 

@@ -94,10 +94,12 @@ class Engine:
     def describe(self) -> str:
         c = self.runner.config
         return (
-            f"model={self.settings.model_path} arch={c.architecture} layers={c.num_layers} heads={c.num_heads}/{c.num_kv_heads} "
+            f"model={self.settings.model_path} arch={c.architecture} layers={c.num_layers} "
+            f"heads={c.num_heads}/{c.num_kv_heads} "
             f"dtype={str(self.runner.dtype).removeprefix('torch.')} device={self.runner.device} "
             f"attention={self.runner.attention_backend} kv_cache={self.block_manager.num_blocks} blocks x "
-            f"{self.block_manager.block_size} tokens = {self.kv_capacity_tokens} tokens max_model_len={self.max_model_len} "
+            f"{self.block_manager.block_size} tokens = {self.kv_capacity_tokens} tokens "
+            f"max_model_len={self.max_model_len} "
             f"loaded in {self.runner.load_seconds:.1f}s"
             + (
                 f", decode step compiled in {self.runner.compile_seconds:.1f}s"

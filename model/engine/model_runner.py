@@ -1,4 +1,5 @@
-"""ModelRunner: builds the decoder and its KV pool, turns scheduled sequences into a Batch, and returns sampled tokens."""
+"""ModelRunner: builds the decoder and its KV pool, turns scheduled sequences into a Batch, and returns
+sampled tokens."""
 
 import logging
 import shutil

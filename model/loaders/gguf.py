@@ -106,7 +106,8 @@ class GGUFFile:
         return out
 
     def _release(self, t: gguf.ReaderTensor) -> None:
-        # drop this tensor's file pages from our resident set (the page cache keeps them), as the safetensors reader does
+        # drop this tensor's file pages from our resident set (the page cache keeps them),
+        # as the safetensors reader does
         mapping = getattr(self.reader.data, "_mmap", None)
         if mapping is not None and t.n_bytes:
             start = t.data_offset // mmap.PAGESIZE * mmap.PAGESIZE

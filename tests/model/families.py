@@ -32,7 +32,8 @@ VOCAB = 96
 WINDOW = 16
 # Common shape: 2-4 layers, hidden 64, GQA 4 query heads over 2 KV heads.
 BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0)  # fmt: skip
+            num_key_value_heads=2, max_position_embeddings=256,
+            bos_token_id=1, eos_token_id=2, pad_token_id=0)  # fmt: skip
 
 FAMILIES: dict[str, Callable[[], PretrainedConfig]] = {
     # Llama 3.2: tied LM head, llama3 rope scaling
@@ -105,8 +106,10 @@ def gemma3_text(final_logit_softcapping: float | None = 30.0) -> Gemma3TextConfi
     return Gemma3TextConfig(**{**BASE, "num_hidden_layers": 4, "num_key_value_heads": 1}, head_dim=32,
         query_pre_attn_scalar=24, sliding_window=WINDOW, final_logit_softcapping=final_logit_softcapping,
         layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
-        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                         "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0}})  # fmt: skip
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0},
+        })  # fmt: skip
 
 
 def randomize(model: PreTrainedModel, seed: int = 0) -> None:

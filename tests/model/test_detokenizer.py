@@ -91,7 +91,8 @@ def test_nothing_leaks_after_a_stop(default_tokenizer: Tokenizer, sentence_ids: 
 def test_holds_back_only_a_possible_stop_prefix(default_tokenizer: Tokenizer, sentence_ids: list[int]) -> None:
     emitter = TextEmitter(default_tokenizer, ["STOP!", "nds x"])
     deltas = [emitter.push([i]) for i in sentence_ids]
-    # ' ST': "ST" could begin "STOP!"; 'OP': "STOP" still could; ' ends': "STOP" no longer can, "nds" could begin "nds x".
+    # ' ST': "ST" could begin "STOP!"; 'OP': "STOP" still could;
+    # ' ends': "STOP" no longer can, "nds" could begin "nds x".
     assert deltas == ["The", " stop", " word", " ", "", "STOP e", "nds here"]
     assert emitter.flush() == "" and not emitter.stopped and emitter.text == SENTENCE
 

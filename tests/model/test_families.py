@@ -165,7 +165,8 @@ def test_hub_style_config_gets_transformers_defaults(tmp_path: Path) -> None:
                         "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
                         "sliding_window": 1024},
         "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 1152, "image_size": 896,
-                          "intermediate_size": 4304, "num_attention_heads": 16, "num_hidden_layers": 27, "patch_size": 14},
+                          "intermediate_size": 4304, "num_attention_heads": 16, "num_hidden_layers": 27,
+                          "patch_size": 14},
     }))  # fmt: skip
     c = load_config(tmp_path)
     assert (c.num_heads, c.num_kv_heads, c.head_dim, c.vocab_size) == (8, 4, 256, 262208)
