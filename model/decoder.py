@@ -2,7 +2,7 @@
 Architecture differences are ModelConfig fields; checkpoint names are mapped by tables in load_weights."""
 
 from collections.abc import Iterable
-from typing import ClassVar
+from typing import ClassVar, cast
 
 import torch
 from torch import nn
@@ -116,6 +116,11 @@ class Decoder(nn.Module):
         decoder = decoder.to(dtype).to_empty(device=device)
         decoder.tie_weights()
         return decoder
+
+    def attention_layers(self) -> list[PagedAttention]:
+        """Each layer's paged attention, in layer order: where the ModelRunner puts the KV pool."""
+        # nn.ModuleList's items are typed nn.Module; these are the DecoderLayers built in __init__
+        return [cast(DecoderLayer, layer).self_attn.attn for layer in self.layers]
 
     def tie_weights(self) -> None:
         # to_empty() re-creates parameters, which unties them: call again after moving off the meta device

@@ -120,7 +120,7 @@ def tokenizer_info(hf: PreTrainedTokenizerBase, vocab_size: int, stop_token_ids:
     text when special tokens are skipped; the stop tokens stay allowed where the grammar may end."""
     detected = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
     vocab = hf.get_vocab()
-    encoded = [""] * vocab_size
+    encoded: list[bytes | str] = [""] * vocab_size
     for token, token_id in vocab.items():
         if token_id < vocab_size:
             encoded[token_id] = token

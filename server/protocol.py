@@ -186,6 +186,7 @@ class SamplingFields(OpenAIModel):
             else:
                 if not value:
                     raise bad_request(f"{param} must not be empty", param)
+                assert isinstance(value, str)  # the regex and grammar fields are declared str
                 found.append((GrammarSpec("regex" if kind == "regex" else "grammar", value), param))
         if so is not None and so.json_object:
             found.append((GrammarSpec("json_object", ""), "structured_outputs.json_object"))
@@ -347,7 +348,7 @@ class ChatCompletionRequest(SamplingFields):
 
     def tool_dicts(self) -> list[dict[str, Any]]:
         """The tools as plain dicts, each checked: a valid name, parameters that are a JSON-Schema object."""
-        out = []
+        out: list[dict[str, Any]] = []
         for i, tool in enumerate(self.tools or []):
             function = tool.function
             if not NAME_PATTERN.fullmatch(function.name):

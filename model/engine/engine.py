@@ -234,9 +234,8 @@ class Engine:
             token = seq.token_ids[-1]
             self.generation_tokens_total += 1
             reason = self._finish_reason(seq, token)
-            logprobs = None
-            if result is not None and result.logprobs is not None and result.logprobs[i] is not None:
-                logprobs = [result.logprobs[i]]
+            token_logprob = result.logprobs[i] if result is not None and result.logprobs is not None else None
+            logprobs = None if token_logprob is None else [token_logprob]
             out = StepOutput(seq.request_id, [token], reason, logprobs, seq.num_prompt_tokens, seq.num_cached_tokens)
             if seq.num_output_tokens == 1 and seq.first_scheduled_time is not None:
                 out.queue_time = seq.first_scheduled_time - seq.arrival_time

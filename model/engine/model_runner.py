@@ -161,15 +161,15 @@ class ModelRunner:
         use_flash = flash_attn_usable(self.device) and self.dtype != torch.float32 and self.block_size % 256 == 0
         if flash_attn_usable(self.device) and not use_flash:
             log.warning("flash-attn unused: it needs --block-size a multiple of 256 and a 16-bit --dtype")
-        for layer in self.decoder.layers:
-            layer.self_attn.attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            layer.self_attn.attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            layer.self_attn.attn.use_flash = use_flash
+        for attn in self.decoder.attention_layers():
+            attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            attn.use_flash = use_flash
         return num_blocks
 
     @property
     def attention_backend(self) -> str:
-        return "flash-attn" if self.decoder.layers[0].self_attn.attn.use_flash else "torch-sdpa"
+        return "flash-attn" if self.decoder.attention_layers()[0].use_flash else "torch-sdpa"
 
     def prepare(self, scheduled: list[ScheduledSeq]) -> Batch:
         input_ids: list[int] = []

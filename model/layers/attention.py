@@ -23,6 +23,9 @@ def flash_attn_usable(device: torch.device) -> bool:
 
 
 class PagedAttention(nn.Module):
+    k_cache: torch.Tensor  # buffers (register_buffer below)
+    v_cache: torch.Tensor
+
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, window: int | None) -> None:
         super().__init__()
         self.num_heads = num_heads

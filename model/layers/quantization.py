@@ -32,6 +32,9 @@ class WeightOnlyLinear(nn.Module):
 
 
 class Int8Linear(WeightOnlyLinear):
+    weight: torch.Tensor  # buffers (register_buffer below)
+    scales: torch.Tensor
+
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__(linear)
         w = linear.weight.detach().float()  # [out, in]

@@ -91,7 +91,8 @@ class RotaryEmbedding(nn.Module):
         if cos_sin is None:
             if self.cos_sin.numel() == 0 or self.cos_sin.device != positions.device:
                 self.build_cache(positions.device)
-            cos_sin = cache[id(self)] = self.cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, R/2] each
+            cos, sin = self.cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, R/2] each
+            cos_sin = cache[id(self)] = (cos, sin)
         cos, sin = cos_sin
         if self.rotary_dim == self.head_dim:
             return _rotate(qk, cos, sin)

@@ -182,8 +182,8 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     if batch.banned is not None:
         logits.index_put_(batch.banned, torch.tensor(float("-inf"), device=logits.device))
     if batch.token_bitmask is not None:  # disallowed ids -> -inf, in place, on the masked rows only
-        bitmask, rows = batch.token_bitmask
-        xgrammar.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1], indices=rows)
+        bitmask, masked_rows = batch.token_bitmask
+        xgrammar.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1], indices=masked_rows)
     return logits
 
 

@@ -231,7 +231,8 @@ async def _chunks(
     finish: list[str | None] = [None] * stream.num_choices
     parsers = [ToolCallParser(tool_format) if tool_format is not None else None for _ in range(stream.num_choices)]
     async for d in stream:
-        text, calls, parser = d.text, [], parsers[d.index]
+        text, parser = d.text, parsers[d.index]
+        calls: list[ToolCallDelta] = []
         if parser is not None:  # text that may start a call waits until it is known
             text, calls = parser.feed(d.text)
             if d.finish_reason is not None:
