@@ -115,8 +115,12 @@ def test_constrained_greedy_is_batch_invariant_and_survives_preemption(
     for rid, (prompt, params) in requests.items():  # the tight engine's own cache compiles the same schemas
         requests[rid] = (
             prompt,
-            SamplingParams(temperature=0, max_tokens=48, constraint=tight.grammars.compile(params.constraint.spec)),
-        )  # type: ignore[union-attr]
+            SamplingParams(
+                temperature=0,
+                max_tokens=48,
+                constraint=tight.grammars.compile(params.constraint.spec),  # type: ignore[union-attr]
+            ),
+        )
     preempted = run(tight, requests)
     assert tight.stats().num_preemptions > 0
     assert preempted == batched
