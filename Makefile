@@ -7,7 +7,7 @@ PORT ?= 8000
 ARGS ?=
 DEFAULT_MODEL := models/SmolLM2-135M-Instruct.Q4_1.gguf
 
-.PHONY: install model chromium serve test bench clean
+.PHONY: install model chromium serve lint test bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -31,7 +31,16 @@ serve: install model
 chromium:
 	bash scripts/ensure-chromium.sh
 
-test: install model chromium
+# ruff (lint, then format --check) over all Python, mypy over the packages (settings in pyproject.toml), and a
+# syntax check of the chat page's JavaScript modules. Any finding fails; `ruff format` and `ruff check --fix` fix most.
+LINT_PATHS := server model config tests bench scripts
+lint: install
+	$(VENV)/bin/ruff check $(LINT_PATHS)
+	$(VENV)/bin/ruff format --check $(LINT_PATHS)
+	$(VENV)/bin/mypy server model config
+	bash scripts/check-js.sh
+
+test: install lint model chromium
 	$(PY) -m pytest -q -x -rs -p no:cacheprovider tests
 
 bench: install model

@@ -21,11 +21,11 @@ sys.path.insert(0, str(ROOT))  # run as a script from anywhere: `config`, `model
 sys.path.insert(0, str(ROOT / "bench"))
 
 import torch  # noqa: E402
+from serve_bench import chat_messages  # noqa: E402  (same prompt text as the HTTP benchmark)
 
 from config.settings import load_settings  # noqa: E402
 from model.engine.engine import Engine  # noqa: E402
 from model.engine.sequence import SamplingParams  # noqa: E402
-from serve_bench import chat_messages  # noqa: E402  (same prompt text as the HTTP benchmark)
 
 
 @dataclass(slots=True)
@@ -112,7 +112,10 @@ def run_level(engine: Engine, first_index: int, n: int, prompt_tokens: int, gen_
 
 
 def print_table(results: list[LevelResult]) -> None:
-    print("| streams | prompt tok | output tok/s | decode tok/s | steps/s | ms/decode step | mean batch | prefill s | total s |")
+    print(
+        "| streams | prompt tok | output tok/s | decode tok/s | steps/s "
+        "| ms/decode step | mean batch | prefill s | total s |"
+    )
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in results:
         print(
@@ -124,7 +127,8 @@ def print_table(results: list[LevelResult]) -> None:
     if base is not None and top is not base:
         print(
             f"\n{top.concurrency} vs 1 streams: output tok/s x{top.output_tps / base.output_tps:.2f}, "
-            f"decode tok/s x{top.decode_tps / base.decode_tps:.2f} (issue 3 target: decode x6; single stream >= 35 tok/s)"
+            f"decode tok/s x{top.decode_tps / base.decode_tps:.2f} "
+            "(issue 3 target: decode x6; single stream >= 35 tok/s)"
         )
 
 
@@ -133,7 +137,9 @@ def profile_decode(engine: Engine, n: int, prompt_tokens: int, num_steps: int, r
     from torch.profiler import ProfilerActivity, profile
 
     add_requests(engine, 1_000_000, n, prompt_tokens, gen_tokens=num_steps + 8)
-    while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running) or engine.scheduler.waiting:
+    while (
+        any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running) or engine.scheduler.waiting
+    ):
         engine.step()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with profile(activities=activities, record_shapes=True) as prof:
@@ -146,10 +152,17 @@ def profile_decode(engine: Engine, n: int, prompt_tokens: int, num_steps: int, r
     averages = prof.key_averages()
     op_cpu_us = sum(e.self_cpu_time_total for e in averages)
     print(f"\n## torch.profiler: {num_steps} decode steps at {n} streams, {1000 * wall / num_steps:.1f} ms/step wall")
-    print(f"(self CPU time of all recorded ops: {op_cpu_us / 1000 / num_steps:.1f} ms/step; the rest is Python outside torch ops)\n")
+    print(
+        f"(self CPU time of all recorded ops: {op_cpu_us / 1000 / num_steps:.1f} ms/step; "
+        "the rest is Python outside torch ops)\n"
+    )
     print(averages.table(sort_by="self_cpu_time_total", row_limit=row_limit))
     # The same ops split by input shapes: which matrix product (LM head, MLP, QKV) the time goes to.
-    print(prof.key_averages(group_by_input_shape=True).table(sort_by="self_cpu_time_total", row_limit=8, max_name_column_width=40))
+    print(
+        prof.key_averages(group_by_input_shape=True).table(
+            sort_by="self_cpu_time_total", row_limit=8, max_name_column_width=40
+        )
+    )
 
 
 def main() -> None:
@@ -160,8 +173,12 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16], help="streams per level")
     parser.add_argument("--prompt-tokens", type=int, default=146, help="chat-templated prompt tokens per request")
     parser.add_argument("--gen-tokens", type=int, default=128, help="generated tokens per request (EOS ignored)")
-    parser.add_argument("--threads", type=int, nargs="+", default=[], help="torch thread counts to compare, level by level, in one run")
-    parser.add_argument("--profile", action="store_true", help="after the levels, profile decode steps with torch.profiler")
+    parser.add_argument(
+        "--threads", type=int, nargs="+", default=[], help="torch thread counts to compare, level by level, in one run"
+    )
+    parser.add_argument(
+        "--profile", action="store_true", help="after the levels, profile decode steps with torch.profiler"
+    )
     parser.add_argument("--profile-concurrency", type=int, default=16, help="streams while profiling")
     parser.add_argument("--profile-steps", type=int, default=20, help="decode steps to profile")
     parser.add_argument("--skip-levels", action="store_true", help="only profile")
@@ -174,8 +191,14 @@ def main() -> None:
         ensure_default_model(settings.models_dir)
     engine = Engine(settings)
     print(f"# engine throughput\n\n{engine.describe()}")
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
-    print(f"prompt ~{args.prompt_tokens} tokens, {args.gen_tokens} generated (greedy, EOS ignored), max_num_batched_tokens={settings.max_num_batched_tokens}\n")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs, "
+        f"load average {os.getloadavg()[0]:.1f}"
+    )
+    print(
+        f"prompt ~{args.prompt_tokens} tokens, {args.gen_tokens} generated (greedy, EOS ignored), "
+        f"max_num_batched_tokens={settings.max_num_batched_tokens}\n"
+    )
 
     run_level(engine, -1, 1, args.prompt_tokens, 8)  # warm-up: first-call allocations and kernel selection
     # Thread counts alternate within each level, so a change in machine load hits all of them alike.
@@ -187,7 +210,9 @@ def main() -> None:
             torch.set_num_threads(t)
             results[t].append(run_level(engine, next_index, n, args.prompt_tokens, args.gen_tokens))
             next_index += n
-            print(f"  {n} streams, {t} threads: {results[t][-1].output_tps:.1f} output tok/s", file=sys.stderr, flush=True)
+            print(
+                f"  {n} streams, {t} threads: {results[t][-1].output_tps:.1f} output tok/s", file=sys.stderr, flush=True
+            )
     for t, rows in results.items():
         if rows:
             print(f"\n## {t} threads\n" if len(results) > 1 else "")

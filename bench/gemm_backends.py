@@ -36,7 +36,10 @@ def main() -> None:
     args = parser.parse_args()
     dtype = DTYPES[args.dtype]
     torch.manual_seed(0)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype}, load average {os.getloadavg()[0]:.2f}\n")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype}, "
+        f"load average {os.getloadavg()[0]:.2f}\n"
+    )
     print("| rows | matrix | aten F.linear ms | oneDNN packed ms | speed-up | packed GB/s |")
     print("|---:|---|---:|---:|---:|---:|")
     totals = {"aten": 0.0, "packed": 0.0}
@@ -46,18 +49,25 @@ def main() -> None:
             weights = [torch.randn(out_features, in_features, dtype=dtype) for _ in range(layers)]
             packed = [torch.ops.mkldnn._reorder_linear_weight(w, 16) for w in weights]
             x = torch.randn(rows, in_features, dtype=dtype)
+            # The lambdas run inside seconds_per_call, in this iteration: late binding of x, weights, packed is moot.
             with torch.inference_mode():
-                aten = seconds_per_call(lambda: [F.linear(x, w) for w in weights], args.repeats)
+                aten = seconds_per_call(lambda: [F.linear(x, w) for w in weights], args.repeats)  # noqa: B023
                 onednn = seconds_per_call(
-                    lambda: [torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "") for p in packed], args.repeats
+                    lambda: [torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "") for p in packed],  # noqa: B023
+                    args.repeats,
                 )
             gb = layers * out_features * in_features * dtype.itemsize / 1e9
-            print(f"| {rows} | {name} x{layers} | {aten * 1e3:.2f} | {onednn * 1e3:.2f} | x{aten / onednn:.2f} | {gb / onednn:.1f} |")
+            print(
+                f"| {rows} | {name} x{layers} | {aten * 1e3:.2f} | {onednn * 1e3:.2f} "
+                f"| x{aten / onednn:.2f} | {gb / onednn:.1f} |"
+            )
             if rows == args.rows[0]:
                 totals["aten"] += aten
                 totals["packed"] += onednn
-    print(f"\n{args.rows[0]} row(s), all matrices of one forward: aten {totals['aten'] * 1e3:.1f} ms, "
-          f"oneDNN packed {totals['packed'] * 1e3:.1f} ms (x{totals['aten'] / totals['packed']:.2f})")
+    print(
+        f"\n{args.rows[0]} row(s), all matrices of one forward: aten {totals['aten'] * 1e3:.1f} ms, "
+        f"oneDNN packed {totals['packed'] * 1e3:.1f} ms (x{totals['aten'] / totals['packed']:.2f})"
+    )
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Peak resident memory while loading a ~500 MB safetensors folder into our decoder.
 
-    .venv/bin/python bench/load_memory.py [--folder DIR] [--dtype bfloat16 float32] [--reader ours safe_open] [--build build_decoder allocate]
+    .venv/bin/python bench/load_memory.py [--folder DIR] [--dtype bfloat16 float32] [--reader ours safe_open] \
+        [--build build_decoder allocate]
 
 Writes a random Llama-shaped checkpoint (bfloat16, sharded, with an index) unless --folder already holds one, then
 loads it in a fresh process per target dtype and reports VmHWM (the kernel's peak RSS) against the model's size in
@@ -27,7 +28,11 @@ CONFIG = {
 
 
 def tensor_shapes(c: dict) -> dict[str, tuple[int, ...]]:
-    h, i, kv = c["hidden_size"], c["intermediate_size"], c["num_key_value_heads"] * c["hidden_size"] // c["num_attention_heads"]
+    h, i, kv = (
+        c["hidden_size"],
+        c["intermediate_size"],
+        c["num_key_value_heads"] * c["hidden_size"] // c["num_attention_heads"],
+    )
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (c["vocab_size"], h), "model.norm.weight": (h,),
                                           "lm_head.weight": (c["vocab_size"], h)}  # fmt: skip
     for n in range(c["num_hidden_layers"]):
@@ -35,7 +40,8 @@ def tensor_shapes(c: dict) -> dict[str, tuple[int, ...]]:
         shapes |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
                    p + "self_attn.q_proj.weight": (h, h), p + "self_attn.k_proj.weight": (kv, h),
                    p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, h),
-                   p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h), p + "mlp.down_proj.weight": (h, i)}  # fmt: skip
+                   p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
+                   p + "mlp.down_proj.weight": (h, i)}  # fmt: skip
     return shapes
 
 
@@ -63,7 +69,9 @@ def write_checkpoint(folder: Path, shard_mb: int) -> None:
     if shard:
         flush()
     total = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
-    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map})
+    )
 
 
 def peak_rss_kib() -> tuple[int, int]:
@@ -86,7 +94,7 @@ def measure(folder: Path, dtype_name: str, reader: str, build: str) -> dict:
         def read_weights(path: Path, config: object):  # type: ignore[no-untyped-def]
             for f in sorted(Path(path).glob("*.safetensors")):
                 with safe_open(str(f), framework="pt") as handle:
-                    for name in handle.keys():
+                    for name in handle.keys():  # noqa: SIM118 - safe_open handles have keys(), no __iter__
                         yield name, handle.get_tensor(name)
 
         runner.read_weights = read_weights  # type: ignore[assignment]
@@ -100,8 +108,9 @@ def measure(folder: Path, dtype_name: str, reader: str, build: str) -> dict:
         decoder = build_decoder(folder, config, 2048, dtype, torch.device("cpu"))
     after, peak = peak_rss_kib()
     model_kib = sum(p.numel() for p in decoder.parameters()) * dtype.itemsize // 1024
-    return {"dtype": dtype_name, "reader": reader, "build": build, "model_mib": model_kib / 1024, "baseline_mib": baseline / 1024,
-            "peak_mib": peak / 1024, "after_mib": after / 1024, "added_over_model": (peak - baseline) / model_kib}  # fmt: skip
+    return {"dtype": dtype_name, "reader": reader, "build": build, "model_mib": model_kib / 1024,
+            "baseline_mib": baseline / 1024, "peak_mib": peak / 1024, "after_mib": after / 1024,
+            "added_over_model": (peak - baseline) / model_kib}  # fmt: skip
 
 
 def main() -> None:
@@ -109,7 +118,9 @@ def main() -> None:
     parser.add_argument("--folder", type=Path, default=None)
     parser.add_argument("--dtype", nargs="+", default=["bfloat16", "float32"])
     parser.add_argument("--reader", nargs="+", default=["ours"], choices=["ours", "safe_open"])
-    parser.add_argument("--build", nargs="+", default=["build_decoder", "allocate"], choices=["build_decoder", "allocate"])
+    parser.add_argument(
+        "--build", nargs="+", default=["build_decoder", "allocate"], choices=["build_decoder", "allocate"]
+    )
     parser.add_argument("--shard-mb", type=int, default=200)
     parser.add_argument("--child", nargs=4, metavar=("FOLDER", "DTYPE", "READER", "BUILD"), help=argparse.SUPPRESS)
     args = parser.parse_args()

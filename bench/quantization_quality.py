@@ -18,12 +18,26 @@ from model.engine.engine import Engine  # noqa: E402
 from model.engine.sequence import SamplingParams  # noqa: E402
 
 PROMPTS = [
-    "What is the capital of France?", "Write a haiku about autumn.", "Explain photosynthesis in one sentence.",
-    "List three prime numbers.", "Who wrote Romeo and Juliet?", "Translate 'good morning' into Spanish.",
-    "What is 12 times 12?", "Give me a tip for learning to code.", "Describe the color blue to someone.",
-    "Why is the sky blue?", "Name a famous painting.", "What does a CPU do?", "Suggest a name for a cat.",
-    "How many legs does a spider have?", "What is the boiling point of water?", "Tell me a fun fact about space.",
-    "What is a noun?", "Recommend a book for a long flight.", "How do bees make honey?", "What is machine learning?",
+    "What is the capital of France?",
+    "Write a haiku about autumn.",
+    "Explain photosynthesis in one sentence.",
+    "List three prime numbers.",
+    "Who wrote Romeo and Juliet?",
+    "Translate 'good morning' into Spanish.",
+    "What is 12 times 12?",
+    "Give me a tip for learning to code.",
+    "Describe the color blue to someone.",
+    "Why is the sky blue?",
+    "Name a famous painting.",
+    "What does a CPU do?",
+    "Suggest a name for a cat.",
+    "How many legs does a spider have?",
+    "What is the boiling point of water?",
+    "Tell me a fun fact about space.",
+    "What is a noun?",
+    "Recommend a book for a long flight.",
+    "How do bees make honey?",
+    "What is machine learning?",
 ]
 
 
@@ -54,12 +68,15 @@ def main() -> None:
     print(f"against float32 (max abs float32 logit {scale:.1f})\n")
     print("| flags | prompts | first 16 greedy tokens identical | max abs logit error |")
     print("|---|---:|---:|---:|")
-    variants = {"--quantization int8": {"quantization": "int8"}, "--quantization int4": {"quantization": "int4"},
-                "--dtype bfloat16": {"dtype": "bfloat16"}}
+    variants = {
+        "--quantization int8": {"quantization": "int8"},
+        "--quantization int4": {"quantization": "int4"},
+        "--dtype bfloat16": {"dtype": "bfloat16"},
+    }
     for flags, overrides in variants.items():
         q_tokens, q_logits = run(Engine(Settings(enable_prefix_caching=False, **overrides)))
-        same = sum(a == b for a, b in zip(f32_tokens, q_tokens))
-        max_err = max((a - b).abs().max().item() for a, b in zip(f32_logits, q_logits))
+        same = sum(a == b for a, b in zip(f32_tokens, q_tokens, strict=True))
+        max_err = max((a - b).abs().max().item() for a, b in zip(f32_logits, q_logits, strict=True))
         print(f"| `{flags}` | {len(PROMPTS)} | {same} | {max_err:.3f} |")
 
 

@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/serve_bench.py --spawn --concurrency 1 4 16 32 64 --out bench/RESULTS.md
     .venv/bin/python bench/serve_bench.py --url http://127.0.0.1:8080/v1 --concurrency 1 16   # e.g. llama-server
-    .venv/bin/python bench/serve_bench.py --spawn --concurrency --long-prompts                 # only the long-prompt mix
+    .venv/bin/python bench/serve_bench.py --spawn --concurrency --long-prompts                # only the long-prompt mix
 
 Each level runs `concurrency` closed-loop clients (a client sends its next request when the last one ends) until
 `--requests-per-stream` x concurrency requests are done; every request is ~--prompt-tokens chat tokens (different
@@ -25,13 +25,14 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
+from itertools import pairwise
 from pathlib import Path
 
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 
-WORDS = (
+WORDS = (  # noqa: SIM905 - a paragraph reads better than a list of 98 quoted words
     "the server reads a model from disk and answers many clients at once while each request waits for its turn "
     "memory blocks hold keys and values for every token so a long story can continue without computing the past "
     "again river mountain garden window kitchen library market station harbor village forest desert island bridge "
@@ -65,7 +66,7 @@ class StreamResult:
 
     @property
     def gaps(self) -> list[float]:
-        return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
+        return [b - a for a, b in pairwise(self.token_times)]
 
 
 @dataclass(slots=True)
@@ -120,7 +121,11 @@ class Client:
         return int(response.json()["usage"]["prompt_tokens"])
 
     async def stream(
-        self, messages: list[dict[str, str]], max_tokens: int = 0, stop: asyncio.Event | None = None, result: StreamResult | None = None
+        self,
+        messages: list[dict[str, str]],
+        max_tokens: int = 0,
+        stop: asyncio.Event | None = None,
+        result: StreamResult | None = None,
     ) -> StreamResult:
         """One streaming chat completion; returns early (closing the stream) when `stop` is set. Pass `result` to
         watch the stream's progress while it runs."""
@@ -168,7 +173,11 @@ class Client:
             response = await self.http.get(self.url.removesuffix("/v1") + "/metrics")
         except httpx.HTTPError:
             return None
-        values = [float(line.split()[-1]) for line in response.text.splitlines() if line.startswith("vllm:num_preemptions_total")]
+        values = [
+            float(line.split()[-1])
+            for line in response.text.splitlines()
+            if line.startswith("vllm:num_preemptions_total")
+        ]
         return sum(values) if response.status_code == 200 and values else None
 
     async def close(self) -> None:
@@ -213,7 +222,9 @@ class RssSampler:
             await asyncio.sleep(0.25)
 
 
-async def run_level(client: Client, concurrency: int, num_requests: int, words: int, first_index: int, server_pid: int | None) -> LevelResult:
+async def run_level(
+    client: Client, concurrency: int, num_requests: int, words: int, first_index: int, server_pid: int | None
+) -> LevelResult:
     results: list[StreamResult] = []
     queue = list(range(first_index, first_index + num_requests))
 
@@ -244,17 +255,21 @@ class LongPromptResult:
     @property
     def short_max_gap(self) -> float:
         """Longest wait of a short stream for its next token once the long prompts were in."""
-        gaps = [b - a for s in self.short for a, b in zip(s.token_times, s.token_times[1:]) if b > self.long_sent]
+        gaps = [b - a for s in self.short for a, b in pairwise(s.token_times) if b > self.long_sent]
         return max(gaps, default=float("nan"))
 
 
-async def run_long_prompts(client: Client, short_words: int, long_words: int, num_short: int, num_long: int) -> LongPromptResult:
+async def run_long_prompts(
+    client: Client, short_words: int, long_words: int, num_short: int, num_long: int
+) -> LongPromptResult:
     """num_short streams decode; once each has tokens flowing, num_long long prompts arrive at once. The short
     streams are closed when every long one has its first token."""
     stop = asyncio.Event()
     short = [StreamResult(sent=0.0) for _ in range(num_short)]
     short_tasks = [
-        asyncio.create_task(client.stream(chat_messages(2_000_000 + i, short_words), max_tokens=4096, stop=stop, result=r))
+        asyncio.create_task(
+            client.stream(chat_messages(2_000_000 + i, short_words), max_tokens=4096, stop=stop, result=r)
+        )
         for i, r in enumerate(short)
     ]
     deadline = time.perf_counter() + 300
@@ -263,14 +278,19 @@ async def run_long_prompts(client: Client, short_words: int, long_words: int, nu
         if all(len(r.token_times) >= 4 for r in short):  # every short stream is past its prefill and decoding
             break
     long_sent = time.perf_counter()
-    long = await asyncio.gather(*(client.stream(chat_messages(3_000_000 + i, long_words), max_tokens=16) for i in range(num_long)))
+    long = await asyncio.gather(
+        *(client.stream(chat_messages(3_000_000 + i, long_words), max_tokens=16) for i in range(num_long))
+    )
     stop.set()
     await asyncio.gather(*short_tasks)
     return LongPromptResult(list(long), short, long_sent)
 
 
 def level_table(levels: list[LevelResult], with_rss: bool) -> str:
-    head = "| streams | requests | prompt tok | output tok/s | requests/s | TTFT p50 s | TTFT p99 s | ITL p50 ms | ITL p99 ms | max gap s | errors |"
+    head = (
+        "| streams | requests | prompt tok | output tok/s | requests/s "
+        "| TTFT p50 s | TTFT p99 s | ITL p50 ms | ITL p99 ms | max gap s | errors |"
+    )
     rule = "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
     with_preemptions = any(lv.preemptions is not None for lv in levels)
     if with_rss:
@@ -298,12 +318,15 @@ def level_table(levels: list[LevelResult], with_rss: bool) -> str:
 def long_table(r: LongPromptResult) -> str:
     ttfts = [s.ttft for s in r.long if s.token_times]
     prompt = statistics.mean(s.prompt_tokens for s in r.long) if r.long else 0
-    return "\n".join([
-        "| long prompts | prompt tok | long TTFT p50 s | long TTFT max s | short streams | short max gap s | errors |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
-        f"| {len(r.long)} | {prompt:.0f} | {percentile(ttfts, 50):.2f} | {max(ttfts, default=float('nan')):.2f} | "
-        f"{len(r.short)} | {r.short_max_gap:.2f} | {sum(1 for s in r.long + r.short if s.error)} |",
-    ])
+    return "\n".join(
+        [
+            "| long prompts | prompt tok | long TTFT p50 s | long TTFT max s "
+            "| short streams | short max gap s | errors |",
+            "|---:|---:|---:|---:|---:|---:|---:|",
+            f"| {len(r.long)} | {prompt:.0f} | {percentile(ttfts, 50):.2f} | {max(ttfts, default=float('nan')):.2f} | "
+            f"{len(r.short)} | {r.short_max_gap:.2f} | {sum(1 for s in r.long + r.short if s.error)} |",
+        ]
+    )
 
 
 def plot(levels: list[LevelResult], path: Path, title: str) -> None:
@@ -338,8 +361,21 @@ class SpawnedServer:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
-        self.log = tempfile.NamedTemporaryFile(prefix="llmserve-bench-", suffix=".log", delete=False)
-        cmd = [sys.executable, "-m", "server", "serve", "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "warning", *extra_args]
+        # The server's output for its whole life, and kept afterwards (its name is in the errors): no `with`.
+        self.log = tempfile.NamedTemporaryFile(prefix="llmserve-bench-", suffix=".log", delete=False)  # noqa: SIM115
+        cmd = [
+            sys.executable,
+            "-m",
+            "server",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--log-level",
+            "warning",
+            *extra_args,
+        ]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
         self.url = f"http://127.0.0.1:{self.port}/v1"
 
@@ -382,10 +418,20 @@ async def measure(args: argparse.Namespace) -> Run:
         if server is not None:
             started = time.perf_counter()
             await server.wait_ready()
-            print(f"spawned llmserve on {server.url} (ready in {time.perf_counter() - started:.1f}s; log {server.log.name})", file=sys.stderr)
+            print(
+                f"spawned llmserve on {server.url} "
+                f"(ready in {time.perf_counter() - started:.1f}s; log {server.log.name})",
+                file=sys.stderr,
+            )
         pid = server.proc.pid if server is not None else None
         top = max(args.concurrency, default=1)
-        client = Client(server.url if server else args.url, args.model, args.api_key, args.max_tokens, max(top, 2 * args.long_streams))
+        client = Client(
+            server.url if server else args.url,
+            args.model,
+            args.api_key,
+            args.max_tokens,
+            max(top, 2 * args.long_streams),
+        )
         await client.resolve_model()
         words = await size_prompt(client, args.prompt_tokens)
         await run_level(client, 1, 1, words, -10, None)  # warm-up, not reported
@@ -418,8 +464,9 @@ def write_report(args: argparse.Namespace, run: Run) -> str:
         "",
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; server: {run.server}; model: {run.model}; "
         f"{os.cpu_count()} CPUs, load average at end {os.getloadavg()[0]:.1f} (client and server share the CPUs).",
-        f"Streaming chat completions, ~{args.prompt_tokens} prompt tokens (distinct text per request), {args.max_tokens} "
-        f"output tokens, ignore_eos, temperature 0; closed loop, {args.requests_per_stream} requests per stream (at least {args.min_requests}).",
+        f"Streaming chat completions, ~{args.prompt_tokens} prompt tokens (distinct text per request), "
+        f"{args.max_tokens} output tokens, ignore_eos, temperature 0; closed loop, "
+        f"{args.requests_per_stream} requests per stream (at least {args.min_requests}).",
         "",
         f"Command: `{shlex.join([_short_path(sys.executable), *sys.argv])}`",
         "",
@@ -430,14 +477,18 @@ def write_report(args: argparse.Namespace, run: Run) -> str:
             report += [f"Server RSS idle (after warm-up): {run.idle_rss_mib:.0f} MiB.", ""]
     if run.long is not None:
         report += [
-            f"## Long prompts: {args.long_streams} x ~{args.long_prompt_tokens} tokens arrive while {args.long_streams} short streams decode",
+            f"## Long prompts: {args.long_streams} x ~{args.long_prompt_tokens} tokens arrive "
+            f"while {args.long_streams} short streams decode",
             "",
             long_table(run.long),
             "",
         ]
     if run.levels and args.out:
         png = Path(args.out).with_suffix(".png")
-        title = f"{run.server}, {run.model}: ~{args.prompt_tokens} prompt tok, {args.max_tokens} output tok, EOS ignored, T=0"
+        title = (
+            f"{run.server}, {run.model}: ~{args.prompt_tokens} prompt tok, "
+            f"{args.max_tokens} output tok, EOS ignored, T=0"
+        )
         plot(run.levels, png, title)
         report += [f"![throughput and TTFT vs concurrency]({png.name})", ""]
     return "\n".join(report)
@@ -453,19 +504,31 @@ def _short_path(path: str) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--url", default="http://127.0.0.1:8000/v1", help="OpenAI-compatible base URL (ignored with --spawn)")
-    parser.add_argument("--spawn", action="store_true", help="start `llmserve serve` on a free loopback port, stop it after")
-    parser.add_argument("--server-args", default="", help="extra `llmserve serve` flags with --spawn, e.g. '--quantization int8'")
+    parser.add_argument(
+        "--url", default="http://127.0.0.1:8000/v1", help="OpenAI-compatible base URL (ignored with --spawn)"
+    )
+    parser.add_argument(
+        "--spawn", action="store_true", help="start `llmserve serve` on a free loopback port, stop it after"
+    )
+    parser.add_argument(
+        "--server-args", default="", help="extra `llmserve serve` flags with --spawn, e.g. '--quantization int8'"
+    )
     parser.add_argument("--model", default="", help="model id; default: the first of /v1/models")
     parser.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY", ""))
-    parser.add_argument("--concurrency", type=int, nargs="*", default=[1, 4, 16], help="stream counts; none = skip the levels")
+    parser.add_argument(
+        "--concurrency", type=int, nargs="*", default=[1, 4, 16], help="stream counts; none = skip the levels"
+    )
     parser.add_argument("--requests-per-stream", type=int, default=2, help="requests per level = this x concurrency")
     parser.add_argument("--min-requests", type=int, default=4, help="at least this many requests per level")
     parser.add_argument("--prompt-tokens", type=int, default=146)
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--long-prompts", action="store_true", help="also run long prompts arriving while short streams decode")
+    parser.add_argument(
+        "--long-prompts", action="store_true", help="also run long prompts arriving while short streams decode"
+    )
     parser.add_argument("--long-prompt-tokens", type=int, default=1500)
-    parser.add_argument("--long-streams", type=int, default=4, help="long prompts, and short streams decoding meanwhile")
+    parser.add_argument(
+        "--long-streams", type=int, default=4, help="long prompts, and short streams decoding meanwhile"
+    )
     parser.add_argument("--out", default="", help="write the markdown report here and the plot next to it (.png)")
     args = parser.parse_args()
     text = write_report(args, asyncio.run(measure(args)))

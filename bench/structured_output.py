@@ -44,12 +44,12 @@ sys.path.insert(0, str(ROOT / "bench"))
 import jsonschema  # noqa: E402
 import torch  # noqa: E402
 import xgrammar  # noqa: E402
+from engine_throughput import LevelResult  # noqa: E402  (its tok/s, decode tok/s and ms/step definitions)
 
 import model.engine.engine as engine_module  # noqa: E402
 import model.engine.model_runner as runner_module  # noqa: E402
 import model.layers.sampler as sampler_module  # noqa: E402
 from config.settings import load_settings  # noqa: E402
-from engine_throughput import LevelResult  # noqa: E402  (its tok/s, decode tok/s and ms/step definitions)
 from model.engine.engine import Engine  # noqa: E402
 from model.sampling_params import SamplingParams  # noqa: E402
 from model.structured_output import GrammarSpec  # noqa: E402
@@ -60,15 +60,21 @@ CLIMATES = ["arid", "temperate", "tropical", "continental", "polar", "mediterran
 # Property names by variant: schema `i` takes synonym (i // 3**k) % 3 for property k, so variants 0..728 are all
 # different specs (each a cache miss and a grammar of its own) whose JSON is about as long as variant 0's.
 SYNONYMS = [
-    ("name", "city", "title"), ("country", "nation", "state"), ("population", "inhabitants", "residents"),
-    ("climate", "weather", "zone"), ("landmarks", "sights", "attractions"), ("mayor", "leader", "governor"),
+    ("name", "city", "title"),
+    ("country", "nation", "state"),
+    ("population", "inhabitants", "residents"),
+    ("climate", "weather", "zone"),
+    ("landmarks", "sights", "attractions"),
+    ("mayor", "leader", "governor"),
 ]
 
 
 def city_schema(variant: int = 0) -> dict:
     """A typical response schema, every value bounded so a 135M model closes the object; variant 0 is the shared
     one, others rename its properties."""
-    name, country, population, climate, landmarks, mayor = (syn[(variant // 3**k) % 3] for k, syn in enumerate(SYNONYMS))
+    name, country, population, climate, landmarks, mayor = (
+        syn[(variant // 3**k) % 3] for k, syn in enumerate(SYNONYMS)
+    )
     short = {"type": "string", "minLength": 1, "maxLength": 12}
     return {
         "type": "object",
@@ -92,11 +98,15 @@ def city_schema(variant: int = 0) -> dict:
 
 def city_prompts(engine: Engine, n: int) -> list[list[int]]:
     return [
-        engine.tokenizer.apply_chat_template([{
-            "role": "user",
-            "content": f"Describe city #{i + 1} as JSON: its name, country, population, climate, "
-                       "one or two landmarks, and its mayor.",
-        }])
+        engine.tokenizer.apply_chat_template(
+            [
+                {
+                    "role": "user",
+                    "content": f"Describe city #{i + 1} as JSON: its name, country, population, climate, "
+                    "one or two landmarks, and its mayor.",
+                }
+            ]
+        )
         for i in range(n)
     ]
 
@@ -156,8 +166,13 @@ class LoadRun:
     compile_ms: float = 0.0  # compile time inside the timed window
 
 
-def run_load(engine: Engine, name: str, prompts: list[list[int]], make_params: Callable[[int], SamplingParams],
-             schemas: list[dict | None]) -> LoadRun:
+def run_load(
+    engine: Engine,
+    name: str,
+    prompts: list[list[int]],
+    make_params: Callable[[int], SamplingParams],
+    schemas: list[dict | None],
+) -> LoadRun:
     """Submit every stream (make_params runs inside the timed window, so a compile there is counted), then step
     until all finish."""
     n = len(prompts)
@@ -193,8 +208,14 @@ def run_load(engine: Engine, name: str, prompts: list[list[int]], make_params: C
                 prefill_done = time.perf_counter() - started
     seconds = time.perf_counter() - started
     result = LevelResult(
-        concurrency=n, prompt_tokens=sum(map(len, prompts)) // n, output_tokens=output_tokens, seconds=seconds,
-        prefill_seconds=prefill_done, decode_tokens=decode_tokens, steps=steps, decode_steps=decode_steps,
+        concurrency=n,
+        prompt_tokens=sum(map(len, prompts)) // n,
+        output_tokens=output_tokens,
+        seconds=seconds,
+        prefill_seconds=prefill_done,
+        decode_tokens=decode_tokens,
+        steps=steps,
+        decode_steps=decode_steps,
         mean_batch=batch_sum / max(decode_steps, 1),
     )
     compiled_ms = 1e3 * (engine.grammars.compile_seconds_total - compile_s) if engine.grammars.misses > misses else 0.0
@@ -210,7 +231,7 @@ class Validation:
 
 
 def validate(engine: Engine, run: LoadRun, into: Validation) -> None:
-    for toks, reason, schema in zip(run.tokens, run.finish, run.schemas):
+    for toks, reason, schema in zip(run.tokens, run.finish, run.schemas, strict=True):
         if schema is None:
             continue
         if reason != "stop":
@@ -274,8 +295,11 @@ PROFILED = [  # (owner, attribute, label); the first three are what a constraint
 ]
 
 
-def profile(engine: Engine, prompts: list[list[int]],
-            loads: list[tuple[str, Callable[[int], SamplingParams], list[dict | None]]]) -> None:
+def profile(
+    engine: Engine,
+    prompts: list[list[int]],
+    loads: list[tuple[str, Callable[[int], SamplingParams], list[dict | None]]],
+) -> None:
     """One pass of each load with the accumulators in; ms per step of each wrapped call, load by load."""
     acc = Accumulators()
     for owner, attr, label in PROFILED:
@@ -288,22 +312,38 @@ def profile(engine: Engine, prompts: list[list[int]],
             rows.append((name, dict(acc.seconds), dict(acc.calls), run.result))
     finally:
         acc.restore()
-    print(f"\n## Where a constraint's time goes: {len(prompts)} streams, one pass of each load, ms per engine step "
-          "(perf_counter around each call)\n")
+    print(
+        f"\n## Where a constraint's time goes: {len(prompts)} streams, one pass of each load, ms per engine step "
+        "(perf_counter around each call)\n"
+    )
     print("| call | " + " | ".join(name for name, *_ in rows) + " | µs/call (first load) |")
     print("|---|" + "---:|" * (len(rows) + 1))
     for _, _, label in PROFILED:
         cells = [f"{1e3 * sec.get(label, 0.0) / res.steps:.2f}" for _, sec, _, res in rows]
         _, sec, calls, _ = rows[0]
-        print(f"| {label} | " + " | ".join(cells) + f" | {1e6 * sec.get(label, 0.0) / max(calls.get(label, 0), 1):.0f} |")
-    print("| steps (tokens/req mean) | " + " | ".join(f"{res.steps} ({res.output_tokens / res.concurrency:.0f})" for *_, res in rows) + " | |")
-    grammar_calls = ("fill_next_token_bitmask", "apply_penalties (logits clone + mask)", "accept_token", "is_terminated",
-                     "allocate_token_bitmask")
+        print(
+            f"| {label} | " + " | ".join(cells) + f" | {1e6 * sec.get(label, 0.0) / max(calls.get(label, 0), 1):.0f} |"
+        )
+    print(
+        "| steps (tokens/req mean) | "
+        + " | ".join(f"{res.steps} ({res.output_tokens / res.concurrency:.0f})" for *_, res in rows)
+        + " | |"
+    )
+    grammar_calls = (
+        "fill_next_token_bitmask",
+        "apply_penalties (logits clone + mask)",
+        "accept_token",
+        "is_terminated",
+        "allocate_token_bitmask",
+    )
     print()
-    for name, sec, calls, res in rows:
+    for name, sec, _calls, res in rows:
         grammar = sum(sec.get(k, 0.0) for k in grammar_calls)
-        print(f"{name}: constraint work (fill + alloc + clone/apply + accept + is_terminated) {1e3 * grammar / res.steps:.2f} "
-              f"ms/step = {100 * grammar / sec['Engine.step']:.0f} % of Engine.step ({1e3 * sec['Engine.step'] / res.steps:.1f} ms)")
+        print(
+            f"{name}: constraint work (fill + alloc + clone/apply + accept + is_terminated) "
+            f"{1e3 * grammar / res.steps:.2f} ms/step = {100 * grammar / sec['Engine.step']:.0f} % of Engine.step "
+            f"({1e3 * sec['Engine.step'] / res.steps:.1f} ms)"
+        )
 
 
 # ---- main --------------------------------------------------------------------------------------------------------
@@ -313,8 +353,15 @@ def main() -> None:
     own = argv[: argv.index("--")] if "--" in argv else argv
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--streams", type=int, default=16, help="concurrent requests per load")
-    parser.add_argument("--max-tokens", type=int, default=128, help="max_tokens of a constrained request (a complete object is ~50-90 tokens)")
-    parser.add_argument("--rounds", type=int, default=2, help="times every load runs (order alternates); medians reported")
+    parser.add_argument(
+        "--max-tokens",
+        type=int,
+        default=128,
+        help="max_tokens of a constrained request (a complete object is ~50-90 tokens)",
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=2, help="times every load runs (order alternates); medians reported"
+    )
     parser.add_argument("--temperature", type=float, default=0.7, help="0 = greedy; otherwise seeded per stream")
     parser.add_argument("--compile-samples", type=int, default=8, help="new schemas timed for first-use compile")
     parser.add_argument("--no-profile", action="store_true", help="skip the profile pass")
@@ -327,25 +374,39 @@ def main() -> None:
         ensure_default_model(settings.models_dir)
     engine = Engine(settings)
     print(f"# structured output\n\n{engine.describe()}")
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs, "
-          f"load average {os.getloadavg()[0]:.1f}; xgrammar {xgrammar_version()}")
-    print(f"{args.streams} streams, temperature {args.temperature} (seed = stream), max_tokens {args.max_tokens} constrained, "
-          f"{args.rounds} rounds, max_num_batched_tokens={settings.max_num_batched_tokens}\n")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs, "
+        f"load average {os.getloadavg()[0]:.1f}; xgrammar {xgrammar_version()}"
+    )
+    print(
+        f"{args.streams} streams, temperature {args.temperature} (seed = stream), "
+        f"max_tokens {args.max_tokens} constrained, "
+        f"{args.rounds} rounds, max_num_batched_tokens={settings.max_num_batched_tokens}\n"
+    )
 
     # 1. compile time
     ct = measure_compile(engine, args.compile_samples)
     print(f"## Schema compile (6 properties, nested object; grammar cache of {settings.grammar_cache_size})\n")
     print("| | ms |\n|---|---:|")
     if ct.cache_build_ms is not None:
-        print(f"| grammar cache built (the first constrained request only: tokenizer info for xgrammar) | {ct.cache_build_ms:.0f} |")
+        print(
+            "| grammar cache built (the first constrained request only: tokenizer info for xgrammar) "
+            f"| {ct.cache_build_ms:.0f} |"
+        )
     print(f"| first JSON-schema compile in the process | {ct.first_in_process_ms:.1f} |")
-    print(f"| first use of a new schema, median of {len(ct.first_use_ms)} (min-max) | {statistics.median(ct.first_use_ms):.1f} "
-          f"({min(ct.first_use_ms):.1f}-{max(ct.first_use_ms):.1f}) |")
+    print(
+        f"| first use of a new schema, median of {len(ct.first_use_ms)} (min-max) "
+        f"| {statistics.median(ct.first_use_ms):.1f} "
+        f"({min(ct.first_use_ms):.1f}-{max(ct.first_use_ms):.1f}) |"
+    )
     print(f"| cached: `lookup` hit | {ct.lookup_hit_us / 1e3:.4f} |")
     print(f"| cached: `GrammarSpec.json_schema(dict)` + `compile` hit | {ct.request_hit_us / 1e3:.4f} |")
     print(f"| a GrammarMatcher per sequence | {ct.matcher_us / 1e3:.4f} |")
-    print(f"\nissue 14 goal: first-use compile < 50 ms -> {'met' if statistics.median(ct.first_use_ms) < 50 else 'NOT met'}\n",
-          flush=True)
+    print(
+        "\nissue 14 goal: first-use compile < 50 ms -> "
+        f"{'met' if statistics.median(ct.first_use_ms) < 50 else 'NOT met'}\n",
+        flush=True,
+    )
 
     # 2. loads
     n = args.streams
@@ -354,8 +415,13 @@ def main() -> None:
     seed = None if temp == 0 else 0
 
     def params(i: int, max_tokens: int, constraint=None, ignore_eos: bool = False) -> SamplingParams:
-        return SamplingParams(temperature=temp, seed=None if seed is None else i, max_tokens=max_tokens,
-                              ignore_eos=ignore_eos, constraint=constraint)
+        return SamplingParams(
+            temperature=temp,
+            seed=None if seed is None else i,
+            max_tokens=max_tokens,
+            ignore_eos=ignore_eos,
+            constraint=constraint,
+        )
 
     shared_schema = city_schema()
     shared = engine.grammars.compile(GrammarSpec.json_schema(shared_schema))
@@ -366,8 +432,11 @@ def main() -> None:
     # untimed calibration (and warm-up: allocations, prefix cache of the prompts): each stream's constrained length
     calib = run_load(engine, "calibrate", prompts, shared_params, [shared_schema] * n)
     lengths = [len(t) for t in calib.tokens]
-    print(f"calibration (shared schema, untimed): tokens per stream {min(lengths)}-{max(lengths)}, median "
-          f"{statistics.median(lengths):.0f}; {sum(r == 'length' for r in calib.finish)} of {n} hit max_tokens\n", file=sys.stderr)
+    print(
+        f"calibration (shared schema, untimed): tokens per stream {min(lengths)}-{max(lengths)}, median "
+        f"{statistics.median(lengths):.0f}; {sum(r == 'length' for r in calib.finish)} of {n} hit max_tokens\n",
+        file=sys.stderr,
+    )
 
     def plain_params(i: int) -> SamplingParams:
         return params(i, lengths[i], ignore_eos=True)
@@ -396,18 +465,26 @@ def main() -> None:
 
                 def make(i: int, specs=specs) -> SamplingParams:
                     return params(i, args.max_tokens, engine.grammars.compile(specs[i]))
+
             run = run_load(engine, f"r{r}-{name}", prompts, make, schemas)
             runs[name].append(run)
             if name in checks:
                 validate(engine, run, checks[name])
-            print(f"  round {r + 1}: {name}: {run.result.output_tps:.1f} output tok/s, {run.result.output_tokens} tokens, "
-                  f"{run.result.seconds:.1f} s", file=sys.stderr, flush=True)
+            print(
+                f"  round {r + 1}: {name}: {run.result.output_tps:.1f} output tok/s, "
+                f"{run.result.output_tokens} tokens, "
+                f"{run.result.seconds:.1f} s",
+                file=sys.stderr,
+                flush=True,
+            )
 
     base = statistics.median(x.result.output_tps for x in runs["unconstrained"])
     base_dec = statistics.median(x.result.decode_tps for x in runs["unconstrained"])
     print(f"## Loads: {n} streams, median of {args.rounds} rounds\n")
-    print("| load | tokens/req (mean) | hit max_tokens | valid JSON / finished | compile in window ms | output tok/s | "
-          "decode tok/s | ms/decode step | output vs unconstrained | decode vs unconstrained |")
+    print(
+        "| load | tokens/req (mean) | hit max_tokens | valid JSON / finished | compile in window ms | output tok/s | "
+        "decode tok/s | ms/decode step | output vs unconstrained | decode vs unconstrained |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name in loads:
         rs = runs[name]
@@ -415,18 +492,30 @@ def main() -> None:
         dec = statistics.median(x.result.decode_tps for x in rs)
         ms = statistics.median(x.result.ms_per_decode_step for x in rs)
         toks = statistics.mean(x.result.output_tokens for x in rs) / n
-        lim = "- (matched)" if name == "unconstrained" else f"{sum(f == 'length' for x in rs for f in x.finish)}/{n * len(rs)}"
+        lim = (
+            "- (matched)"
+            if name == "unconstrained"
+            else f"{sum(f == 'length' for x in rs for f in x.finish)}/{n * len(rs)}"
+        )
         cmp_ms = statistics.median(x.compile_ms for x in rs)
         v = checks.get(name)
         valid = f"{v.valid}/{v.finished}" if v else "-"
-        print(f"| {name} | {toks:.1f} | {lim} | {valid} | {cmp_ms:.0f} | {tps:.1f} | {dec:.1f} | {ms:.1f} | "
-              f"{tps / base:.2f}x | {dec / base_dec:.2f}x |")
+        print(
+            f"| {name} | {toks:.1f} | {lim} | {valid} | {cmp_ms:.0f} | {tps:.1f} | {dec:.1f} | {ms:.1f} | "
+            f"{tps / base:.2f}x | {dec / base_dec:.2f}x |"
+        )
     ratio = statistics.median(x.result.output_tps for x in runs["shared schema"]) / base
-    print(f"\nissue 14 goal: {n} streams, cached schema >= 0.9x unconstrained -> {ratio:.2f}x, "
-          f"{'met' if ratio >= 0.9 else 'NOT met'}")
-    print(f"grammar cache: {engine.grammars.hits} hits, {engine.grammars.misses} misses, {len(engine.grammars)} entries")
-    print(f"jsonschema: {sum(v.valid for v in checks.values())} of {sum(v.finished for v in checks.values())} finished "
-          f"constrained outputs valid; {sum(v.by_length for v in checks.values())} cut at max_tokens (not checked)")
+    print(
+        f"\nissue 14 goal: {n} streams, cached schema >= 0.9x unconstrained -> {ratio:.2f}x, "
+        f"{'met' if ratio >= 0.9 else 'NOT met'}"
+    )
+    print(
+        f"grammar cache: {engine.grammars.hits} hits, {engine.grammars.misses} misses, {len(engine.grammars)} entries"
+    )
+    print(
+        f"jsonschema: {sum(v.valid for v in checks.values())} of {sum(v.finished for v in checks.values())} finished "
+        f"constrained outputs valid; {sum(v.by_length for v in checks.values())} cut at max_tokens (not checked)"
+    )
     for v in checks.values():
         for e in v.errors[:3]:
             print(f"  invalid: {e}")
@@ -441,11 +530,15 @@ def main() -> None:
         def distinct_params(i: int) -> SamplingParams:
             return params(i, args.max_tokens, engine.grammars.compile(specs[i]))
 
-        profile(engine, prompts, [
-            ("shared schema", shared_params, [shared_schema] * n),
-            (f"{n} schemas, precompiled", distinct_params, schemas),
-            ("unconstrained", plain_params, [None] * n),
-        ])
+        profile(
+            engine,
+            prompts,
+            [
+                ("shared schema", shared_params, [shared_schema] * n),
+                (f"{n} schemas, precompiled", distinct_params, schemas),
+                ("unconstrained", plain_params, [None] * n),
+            ],
+        )
 
 
 def xgrammar_version() -> str:

@@ -16,31 +16,50 @@ class Settings(BaseSettings):
     model: str = Field("", description="GGUF file or Hugging Face folder; empty = the embedded default model")
     served_model_name: str = Field("", description="model id in the API; empty = derived from --model")
     models_dir: Path = Field(Path("models"), description="where the default model is cached")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="auto: float32 on CPU, bfloat16 on CUDA")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="auto: float32 on CPU, bfloat16 on CUDA"
+    )
     device: str = Field("auto", description="auto, cpu or cuda[:N]")
-    quantization: Literal["none", "int8", "int4"] = Field("none", description="weight-only quantization of linear layers (CPU)")
+    quantization: Literal["none", "int8", "int4"] = Field(
+        "none", description="weight-only quantization of linear layers (CPU)"
+    )
     prepack_weights: bool = Field(True, description="CPU: reorder linear weights once for oneDNN (about 2x MKL here)")
-    torch_compile: bool = Field(False, description="CPU: torch.compile the decode step at start-up (needs a C++ compiler)")
+    torch_compile: bool = Field(
+        False, description="CPU: torch.compile the decode step at start-up (needs a C++ compiler)"
+    )
     max_model_len: int = Field(0, description="context length; 0 = the model's own")
     chat_template: str = Field("", description="jinja file overriding the model's chat template")
     num_threads: int = Field(0, description="torch intra-op threads; 0 = torch's default")
 
     # KV cache and scheduling
-    kv_cache_memory: int = Field(1024 * 1024 * 1024, description="bytes of KV cache (on CUDA: 0 = use --gpu-memory-utilization)")
-    gpu_memory_utilization: float = Field(0.9, description="fraction of free CUDA memory for the KV cache when --kv-cache-memory is 0")
+    kv_cache_memory: int = Field(
+        1024 * 1024 * 1024, description="bytes of KV cache (on CUDA: 0 = use --gpu-memory-utilization)"
+    )
+    gpu_memory_utilization: float = Field(
+        0.9, description="fraction of free CUDA memory for the KV cache when --kv-cache-memory is 0"
+    )
     block_size: int = Field(16, description="tokens per KV block")
     max_num_seqs: int = Field(64, description="most sequences in one step")
-    max_num_batched_tokens: int = Field(256, description="most tokens (prefill + decode) in one step; smaller keeps running streams flowing during long prompts")
+    max_num_batched_tokens: int = Field(
+        256,
+        description="most tokens (prefill + decode) in one step; "
+        "smaller keeps running streams flowing during long prompts",
+    )
     enable_prefix_caching: bool = Field(True, description="reuse KV blocks of earlier prompts with the same prefix")
 
     speculative_config: str = Field(
-        "", description='speculative decoding, vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '
-        '"prompt_lookup_max": 4, "prompt_lookup_min": 1}; empty = off')
+        "",
+        description='speculative decoding, vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 1}; empty = off',
+    )
 
     # Structured output and tools
-    grammar_cache_size: int = Field(256, description="compiled grammars (JSON schemas, regexes, tool sets) kept, least recently used evicted")
+    grammar_cache_size: int = Field(
+        256, description="compiled grammars (JSON schemas, regexes, tool sets) kept, least recently used evicted"
+    )
     tool_call_parser: Literal["auto", "hermes", "llama3_json", "mistral"] = Field(
-        "auto", description="tool-call format: auto = the chat template's own, else hermes (<tool_call> tags)")
+        "auto", description="tool-call format: auto = the chat template's own, else hermes (<tool_call> tags)"
+    )
 
     # Server
     host: str = Field("127.0.0.1", description="address to bind")
@@ -80,11 +99,19 @@ def _add_field_arguments(parser: argparse.ArgumentParser) -> None:
         flag = "--" + name.replace("_", "-")
         kind = field.annotation
         if kind is bool:
-            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=field.description)
+            parser.add_argument(
+                flag,
+                dest=name,
+                action=argparse.BooleanOptionalAction,
+                default=argparse.SUPPRESS,
+                help=field.description,
+            )
         elif kind == list[str]:
             parser.add_argument(flag, dest=name, nargs="*", default=argparse.SUPPRESS, help=field.description)
         else:
-            parser.add_argument(flag, dest=name, default=argparse.SUPPRESS, help=f"{field.description} (default: {field.default})")
+            parser.add_argument(
+                flag, dest=name, default=argparse.SUPPRESS, help=f"{field.description} (default: {field.default})"
+            )
 
 
 def build_parser(prog: str = "llmserve") -> argparse.ArgumentParser:

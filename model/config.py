@@ -1,5 +1,6 @@
 """ModelConfig: everything the decoder needs to know of an architecture, read from config.json or GGUF metadata.
-Every architecture quirk is a field here (filled from the FAMILIES table), never a branch on the model type elsewhere."""
+Every architecture quirk is a field here (filled from the FAMILIES table), never a branch on the model
+type elsewhere."""
 
 import json
 from dataclasses import dataclass, field, replace
@@ -51,9 +52,17 @@ FAMILIES: dict[str, Family] = {
     "gemma3": replace(
         GEMMA3,
         text_config="text_config",
-        weight_prefixes=(("language_model.model.", "model."), ("model.language_model.", "model."),
-                         ("language_model.lm_head.", "lm_head.")),  # fmt: skip
-        ignored_weights=("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector."),
+        weight_prefixes=(
+            ("language_model.model.", "model."),
+            ("model.language_model.", "model."),
+            ("language_model.lm_head.", "lm_head."),
+        ),  # fmt: skip
+        ignored_weights=(
+            "vision_tower.",
+            "multi_modal_projector.",
+            "model.vision_tower.",
+            "model.multi_modal_projector.",
+        ),
     ),
 }
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
@@ -129,7 +138,9 @@ class ModelConfig:
         try:
             raw = json.loads((folder / "config.json").read_text())
         except FileNotFoundError:
-            raise FileNotFoundError(f"{folder}: no config.json (expected a Hugging Face model folder or a .gguf file)")
+            raise FileNotFoundError(
+                f"{folder}: no config.json (expected a Hugging Face model folder or a .gguf file)"
+            ) from None
         except json.JSONDecodeError as exc:
             raise ValueError(f"{folder / 'config.json'}: not valid JSON ({exc})") from exc
         model_type = raw.get("model_type", "")
@@ -156,7 +167,9 @@ class ModelConfig:
         layer_types = raw.get("layer_types")
         if layer_types:  # transformers v5 writes one entry per layer; older Qwen2/3 configs use max_window_layers
             layer_windows = tuple(window if t == "sliding_attention" else None for t in layer_types)
-        elif window is not None and "sliding_window_pattern" in raw:  # older Gemma 3 configs: every n-th layer is global
+        elif (
+            window is not None and "sliding_window_pattern" in raw
+        ):  # older Gemma 3 configs: every n-th layer is global
             pattern = raw["sliding_window_pattern"]
             layer_windows = tuple(window if (i + 1) % pattern else None for i in range(num_layers))
         elif window is not None and "max_window_layers" in raw:
@@ -285,7 +298,9 @@ def _rope(params: dict[str, Any], model_type: str) -> tuple[float, dict[str, Any
     """(theta, scaling dict or None for plain RoPE); an unknown scaling type is refused here, before any loading."""
     kind = params.get("rope_type", params.get("type")) or "default"
     if kind not in ROPE_TYPES:
-        raise UnsupportedModelError(f"{model_type}: rope type {kind!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
+        raise UnsupportedModelError(
+            f"{model_type}: rope type {kind!r} is not supported; supported: {', '.join(ROPE_TYPES)}"
+        )
     scaling = None if kind == "default" else {**params, "rope_type": kind}
     return float(params.get("rope_theta", 10000.0)), scaling
 

@@ -2,7 +2,7 @@
 Architecture differences are ModelConfig fields; checkpoint names are mapped by tables in load_weights."""
 
 from collections.abc import Iterable
-from typing import ClassVar
+from typing import ClassVar, cast
 
 import torch
 from torch import nn
@@ -96,7 +96,9 @@ class Decoder(nn.Module):
         global_rope = RotaryEmbedding(c.head_dim, max_positions, c.rope_theta, c.rope_scaling, c.rotary_dim)
         local_rope = global_rope
         if c.local_rope_theta is not None:
-            local_rope = RotaryEmbedding(c.head_dim, max_positions, c.local_rope_theta, c.local_rope_scaling, c.rotary_dim)
+            local_rope = RotaryEmbedding(
+                c.head_dim, max_positions, c.local_rope_theta, c.local_rope_scaling, c.rotary_dim
+            )
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
         self.layers = nn.ModuleList(
             DecoderLayer(c, global_rope if w is None else local_rope, w) for w in c.layer_windows
@@ -114,6 +116,11 @@ class Decoder(nn.Module):
         decoder = decoder.to(dtype).to_empty(device=device)
         decoder.tie_weights()
         return decoder
+
+    def attention_layers(self) -> list[PagedAttention]:
+        """Each layer's paged attention, in layer order: where the ModelRunner puts the KV pool."""
+        # nn.ModuleList's items are typed nn.Module; these are the DecoderLayers built in __init__
+        return [cast(DecoderLayer, layer).self_attn.attn for layer in self.layers]
 
     def tie_weights(self) -> None:
         # to_empty() re-creates parameters, which unties them: call again after moving off the meta device
@@ -190,7 +197,9 @@ class Decoder(nn.Module):
     def _checkpoint_name(self, name: str, shard: int | None) -> str:
         """Our parameter name (and shard) -> the transformers name a checkpoint would carry, for messages."""
         if shard is not None:
-            name = next(name.replace(fused, part) for part, (fused, i) in self.PACKED.items() if fused in name and i == shard)
+            name = next(
+                name.replace(fused, part) for part, (fused, i) in self.PACKED.items() if fused in name and i == shard
+            )
         for theirs, ours in self.config.weight_names:
             if ours in name:
                 name = name.replace(ours, theirs)

@@ -23,11 +23,29 @@ GrammarKind = Literal["json_object", "json_schema", "regex", "choice", "grammar"
 
 # JSON-Schema keywords xgrammar's converter does not enforce (it would drop them and let invalid output through):
 # refused up front, by name, rather than silently ignored.
-UNSUPPORTED_KEYWORDS = frozenset({
-    "not", "if", "then", "else", "dependentSchemas", "dependentRequired", "dependencies", "uniqueItems", "contains",
-    "minContains", "maxContains", "multipleOf", "unevaluatedProperties", "unevaluatedItems", "propertyNames",
-    "patternProperties", "$dynamicRef", "$dynamicAnchor", "$recursiveRef",
-})
+UNSUPPORTED_KEYWORDS = frozenset(
+    {
+        "not",
+        "if",
+        "then",
+        "else",
+        "dependentSchemas",
+        "dependentRequired",
+        "dependencies",
+        "uniqueItems",
+        "contains",
+        "minContains",
+        "maxContains",
+        "multipleOf",
+        "unevaluatedProperties",
+        "unevaluatedItems",
+        "propertyNames",
+        "patternProperties",
+        "$dynamicRef",
+        "$dynamicAnchor",
+        "$recursiveRef",
+    }
+)
 # Keywords whose value is a schema, a list of schemas, or a map of name -> schema: where the walk descends.
 _SCHEMA_VALUED = ("items", "additionalProperties", "additionalItems")
 _SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
@@ -102,7 +120,7 @@ def tokenizer_info(hf: PreTrainedTokenizerBase, vocab_size: int, stop_token_ids:
     text when special tokens are skipped; the stop tokens stay allowed where the grammar may end."""
     detected = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
     vocab = hf.get_vocab()
-    encoded = [""] * vocab_size
+    encoded: list[bytes | str] = [""] * vocab_size
     for token, token_id in vocab.items():
         if token_id < vocab_size:
             encoded[token_id] = token

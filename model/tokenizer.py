@@ -33,7 +33,9 @@ class Tokenizer:
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
-        return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
+        text = self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
+        assert isinstance(text, str)  # one sequence in, one string out (a list only for a batch)
+        return text
 
     def apply_chat_template(
         self,
@@ -49,6 +51,7 @@ class Tokenizer:
             continue_final_message=continue_final_message,
             **template_kwargs,
         )
+        assert isinstance(text, str)  # tokenize=False: the rendered text
         # The template already wrote any BOS it wants; do not add another.
         return self.encode(text, add_special_tokens=False)
 

@@ -43,8 +43,13 @@ def main() -> None:
         page.fill("#prompt", "And a list?")  # shows the composer in use
         page.screenshot(path=args.out / "webui-desktop.png")
 
-        phone = browser.new_context(viewport={"width": 390, "height": 844}, device_scale_factor=2, is_mobile=True,
-                                    has_touch=True, storage_state=desktop.storage_state())  # the same conversation
+        phone = browser.new_context(
+            viewport={"width": 390, "height": 844},
+            device_scale_factor=2,
+            is_mobile=True,
+            has_touch=True,
+            storage_state=desktop.storage_state(),
+        )  # the same conversation
         page = phone.new_page()
         page.goto(args.url + "/")
         page.wait_for_function("document.getElementById('model-name').textContent")

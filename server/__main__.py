@@ -8,7 +8,9 @@ from config.settings import load_settings
 
 
 def _configure_logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    logging.basicConfig(
+        level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
     access = logging.getLogger("llmserve.access")
     handler = logging.StreamHandler(sys.stdout)  # one bare JSON object per line, ready for a log shipper
     handler.setFormatter(logging.Formatter("%(message)s"))

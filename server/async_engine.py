@@ -8,6 +8,7 @@ with "stop" and aborts its engine request, as vLLM's output processor does.
 """
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
@@ -128,8 +129,15 @@ class RequestStream:
             text += choice.emitter.flush().rstrip("\ufffd")
         if finish is not None:
             self._finish(choice, finish)
-        return Delta(index, text, list(token_ids), logprobs, finish, out.num_prompt_tokens or choice.prompt_tokens,
-                     out.num_cached_tokens)
+        return Delta(
+            index,
+            text,
+            list(token_ids),
+            logprobs,
+            finish,
+            out.num_prompt_tokens or choice.prompt_tokens,
+            out.num_cached_tokens,
+        )
 
     def _finish(self, choice: _Choice, reason: str) -> None:
         choice.finished = True
@@ -176,10 +184,8 @@ class AsyncEngine:
     def _on_outputs(self, outputs: list[StepOutput]) -> None:  # worker thread
         loop = self._loop
         if loop is not None and not loop.is_closed():
-            try:
+            with contextlib.suppress(RuntimeError):  # loop closed between the check and the call, at shutdown
                 loop.call_soon_threadsafe(self._dispatch, outputs)
-            except RuntimeError:  # loop closed between the check and the call, at shutdown
-                pass
 
     def _dispatch(self, outputs: list[StepOutput]) -> None:  # event loop
         for out in outputs:
@@ -223,8 +229,11 @@ class AsyncEngine:
             raise EngineDeadError()
         tokenizer = self.engine.tokenizer
         choices = [
-            _Choice(f"{request_id}-{i}", TextEmitter(tokenizer, stop or [], include_stop_str_in_output, skip_special_tokens),
-                    len(prompts[i // n]))
+            _Choice(
+                f"{request_id}-{i}",
+                TextEmitter(tokenizer, stop or [], include_stop_str_in_output, skip_special_tokens),
+                len(prompts[i // n]),
+            )
             for i in range(len(prompts) * n)
         ]
         stream = RequestStream(self, request_id, choices, n)

@@ -102,7 +102,9 @@ def _validation_error(request: Request, exc: RequestValidationError) -> APIError
     content_type = request.headers.get("content-type", "")
     if loc in ((), ("body",)):
         if "json" not in content_type:
-            return bad_request(f"expected a JSON body with Content-Type: application/json, got {content_type or 'none'!r}")
+            return bad_request(
+                f"expected a JSON body with Content-Type: application/json, got {content_type or 'none'!r}"
+            )
         if kind == "missing":
             return bad_request("request body is missing")
         return bad_request(f"request body must be a JSON object: {first.get('msg')}")

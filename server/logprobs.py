@@ -23,7 +23,7 @@ def _byte_decoder() -> dict[str, int]:
             bs.append(b)
             cs.append(256 + extra)
             extra += 1
-    return {chr(c): b for b, c in zip(bs, cs)}
+    return {chr(c): b for b, c in zip(bs, cs, strict=True)}
 
 
 class TokenText:

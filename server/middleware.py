@@ -52,7 +52,9 @@ class FrontDoor:
             body, too_large = await _read_body(receive, self.state.settings.max_request_bytes)
             if too_large:
                 limit = self.state.settings.max_request_bytes
-                await _send_error(send_with_id, APIError(413, f"request body exceeds {limit} bytes", code="request_too_large"))
+                await _send_error(
+                    send_with_id, APIError(413, f"request body exceeds {limit} bytes", code="request_too_large")
+                )
                 return
             self.state.inflight += 1
             try:
@@ -71,8 +73,12 @@ class FrontDoor:
             given = headers.get("authorization", "")
             scheme, _, key = given.partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), settings.api_key.encode()):
-                return APIError(401, "Incorrect API key provided. Send it as `Authorization: Bearer <key>`.",
-                                code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+                return APIError(
+                    401,
+                    "Incorrect API key provided. Send it as `Authorization: Bearer <key>`.",
+                    code="invalid_api_key",
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
         length = headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > settings.max_request_bytes:
             return APIError(413, f"request body exceeds {settings.max_request_bytes} bytes", code="request_too_large")

@@ -7,7 +7,7 @@ Response and chunk models live in `server/responses.py`.
 
 import json
 import logging
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -102,6 +102,11 @@ Bias = Annotated[float, Field(ge=-100, le=100)]
 class SamplingFields(OpenAIModel):
     """Fields that chat and completions share; each subclass re-declares its own in documentation order."""
 
+    if TYPE_CHECKING:  # declared for the type checker only: at run time the subclasses' own fields keep their order
+        stop: Stop
+        stop_token_ids: list[int] | None
+        logit_bias: dict[str, Bias] | None
+
     def _common_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         data = {name: getattr(self, name) for name in type(self).model_fields}  # subclasses declare the fields
         temperature = 1.0 if data["temperature"] is None else data["temperature"]
@@ -117,7 +122,9 @@ class SamplingFields(OpenAIModel):
             raise bad_request(str(exc), param=param if param.isidentifier() else None) from exc
 
     @staticmethod
-    def _build(data: dict[str, Any], temperature: float, top_p: float, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def _build(
+        data: dict[str, Any], temperature: float, top_p: float, max_tokens: int, logprobs: int | None
+    ) -> SamplingParams:
         return SamplingParams(
             temperature=temperature,
             top_p=top_p,
@@ -145,14 +152,22 @@ class SamplingFields(OpenAIModel):
         elif response_format is not None and response_format.type == "json_schema":
             spec = response_format.json_schema
             if spec is None or spec.schema_ is None:
-                raise bad_request("response_format json_schema needs json_schema.schema", "response_format.json_schema.schema")
-            found.append((_schema_spec(spec.schema_, "response_format.json_schema.schema"), "response_format.json_schema.schema"))
+                raise bad_request(
+                    "response_format json_schema needs json_schema.schema", "response_format.json_schema.schema"
+                )
+            found.append(
+                (_schema_spec(spec.schema_, "response_format.json_schema.schema"), "response_format.json_schema.schema")
+            )
         so: StructuredOutputs | None = getattr(self, "structured_outputs", None)
         guided = [
-            (so.json_ if so else None, "structured_outputs.json"), (getattr(self, "guided_json", None), "guided_json"),
-            (so.regex if so else None, "structured_outputs.regex"), (getattr(self, "guided_regex", None), "guided_regex"),
-            (so.choice if so else None, "structured_outputs.choice"), (getattr(self, "guided_choice", None), "guided_choice"),
-            (so.grammar if so else None, "structured_outputs.grammar"), (getattr(self, "guided_grammar", None), "guided_grammar"),
+            (so.json_ if so else None, "structured_outputs.json"),
+            (getattr(self, "guided_json", None), "guided_json"),
+            (so.regex if so else None, "structured_outputs.regex"),
+            (getattr(self, "guided_regex", None), "guided_regex"),
+            (so.choice if so else None, "structured_outputs.choice"),
+            (getattr(self, "guided_choice", None), "guided_choice"),
+            (so.grammar if so else None, "structured_outputs.grammar"),
+            (getattr(self, "guided_grammar", None), "guided_grammar"),
         ]
         for value, param in guided:
             if value is None:
@@ -171,27 +186,34 @@ class SamplingFields(OpenAIModel):
             else:
                 if not value:
                     raise bad_request(f"{param} must not be empty", param)
+                assert isinstance(value, str)  # the regex and grammar fields are declared str
                 found.append((GrammarSpec("regex" if kind == "regex" else "grammar", value), param))
         if so is not None and so.json_object:
             found.append((GrammarSpec("json_object", ""), "structured_outputs.json_object"))
         if len(found) > 1:
-            raise bad_request(f"only one output constraint may be given, got {', '.join(p for _, p in found)}", found[1][1])
+            raise bad_request(
+                f"only one output constraint may be given, got {', '.join(p for _, p in found)}", found[1][1]
+            )
         return found[0] if found else None
 
     def stop_strings(self) -> list[str]:
-        stop = getattr(self, "stop")
+        stop = self.stop
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         if any(s == "" for s in stops):
             raise bad_request("stop strings must not be empty", param="stop")
         return stops
 
     def check_token_ids(self, vocab_size: int) -> None:
-        for token_id in getattr(self, "stop_token_ids") or []:
+        for token_id in self.stop_token_ids or []:
             if not 0 <= token_id < vocab_size:
-                raise bad_request(f"stop_token_ids: {token_id} is not a token id (vocabulary size {vocab_size})", "stop_token_ids")
-        for token_id in _logit_bias(getattr(self, "logit_bias")) or {}:
+                raise bad_request(
+                    f"stop_token_ids: {token_id} is not a token id (vocabulary size {vocab_size})", "stop_token_ids"
+                )
+        for token_id in _logit_bias(self.logit_bias) or {}:
             if not 0 <= token_id < vocab_size:
-                raise bad_request(f"logit_bias: {token_id} is not a token id (vocabulary size {vocab_size})", "logit_bias")
+                raise bad_request(
+                    f"logit_bias: {token_id} is not a token id (vocabulary size {vocab_size})", "logit_bias"
+                )
 
 
 def _logit_bias(bias: dict[str, Bias] | None) -> dict[int, float] | None:
@@ -293,20 +315,28 @@ class ChatCompletionRequest(SamplingFields):
             raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
-        if self.continue_final_message and self.add_generation_prompt and "add_generation_prompt" in self.model_fields_set:
-            raise bad_request("add_generation_prompt and continue_final_message cannot both be true", "continue_final_message")
+        if (
+            self.continue_final_message
+            and self.add_generation_prompt
+            and "add_generation_prompt" in self.model_fields_set
+        ):
+            raise bad_request(
+                "add_generation_prompt and continue_final_message cannot both be true", "continue_final_message"
+            )
         if self.continue_final_message and self.messages[-1].role != "assistant":
             raise bad_request("continue_final_message needs an assistant message last", param="continue_final_message")
 
     def tool_choice_name(self) -> str:
-        """"none", "auto", "required" or the forced function's name; 400 on a choice that does not fit `tools`."""
+        """ "none", "auto", "required" or the forced function's name; 400 on a choice that does not fit `tools`."""
         choice = self.tool_choice
         if isinstance(choice, dict):
             function = choice.get("function")
             name = function.get("name") if isinstance(function, dict) else None
             if choice.get("type") != "function" or not isinstance(name, str):
-                raise bad_request('tool_choice must be "none", "auto", "required" or {"type": "function", '
-                                  '"function": {"name": ...}}', "tool_choice")
+                raise bad_request(
+                    'tool_choice must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}',
+                    "tool_choice",
+                )
             if name not in {t.function.name for t in self.tools or []}:
                 raise bad_request(f"tool_choice names function {name!r}, which is not in tools", "tool_choice")
             return name
@@ -318,12 +348,14 @@ class ChatCompletionRequest(SamplingFields):
 
     def tool_dicts(self) -> list[dict[str, Any]]:
         """The tools as plain dicts, each checked: a valid name, parameters that are a JSON-Schema object."""
-        out = []
+        out: list[dict[str, Any]] = []
         for i, tool in enumerate(self.tools or []):
             function = tool.function
             if not NAME_PATTERN.fullmatch(function.name):
-                raise bad_request(f"tools[{i}].function.name {function.name!r} must match [A-Za-z0-9_-]{{1,64}}",
-                                  f"tools[{i}].function.name")
+                raise bad_request(
+                    f"tools[{i}].function.name {function.name!r} must match [A-Za-z0-9_-]{{1,64}}",
+                    f"tools[{i}].function.name",
+                )
             param = f"tools[{i}].function.parameters"
             parameters = function.parameters
             if parameters is not None:
@@ -349,10 +381,15 @@ class ChatCompletionRequest(SamplingFields):
                 texts = []
                 for j, part in enumerate(content):
                     if part.type != "text" or part.text is None:
-                        raise bad_request(f"only text content parts are supported, got {part.type!r}", f"messages[{i}].content[{j}]")
+                        raise bad_request(
+                            f"only text content parts are supported, got {part.type!r}", f"messages[{i}].content[{j}]"
+                        )
                     texts.append(part.text)
                 content = "\n".join(texts)
-            item: dict[str, Any] = {"role": "system" if message.role == "developer" else message.role, "content": content or ""}
+            item: dict[str, Any] = {
+                "role": "system" if message.role == "developer" else message.role,
+                "content": content or "",
+            }
             if message.name:
                 item["name"] = message.name
             if message.tool_calls:
@@ -419,7 +456,9 @@ class CompletionRequest(SamplingFields):
         if self.best_of is not None and self.best_of != (self.n or 1):
             raise bad_request("best_of other than n is not supported", param="best_of")
         if self.echo and self.logprobs is not None:
-            raise bad_request("echo with logprobs needs prompt logprobs, which this server does not compute", "logprobs")
+            raise bad_request(
+                "echo with logprobs needs prompt logprobs, which this server does not compute", "logprobs"
+            )
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
 

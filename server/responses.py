@@ -5,9 +5,7 @@ chunk exactly when the builder set it (`usage: null` on every chunk only when `i
 """
 
 import time
-from typing import Literal
-
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field, SerializerFunctionWrapHandler, model_serializer, model_validator
 

@@ -32,7 +32,9 @@ class DrainingServer(uvicorn.Server):
         self.drain_deadline = time.monotonic() + timeout
 
     async def on_tick(self, counter: int) -> bool:
-        if self.app_state.load_error and not self.should_exit:  # nothing to serve: exit (status 1) instead of 503 forever
+        if (
+            self.app_state.load_error and not self.should_exit
+        ):  # nothing to serve: exit (status 1) instead of 503 forever
             self.should_exit = True
         if self.drain_deadline is not None and not self.should_exit:
             if self.app_state.inflight == 0:
@@ -45,6 +47,7 @@ class DrainingServer(uvicorn.Server):
 
 
 def make_server(app: FastAPI, host: str, port: int, log_level: str = "info") -> DrainingServer:
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
-                            timeout_graceful_shutdown=5, log_config=None)
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level=log_level, access_log=False, timeout_graceful_shutdown=5, log_config=None
+    )
     return DrainingServer(config, app)

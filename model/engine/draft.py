@@ -18,22 +18,34 @@ log = logging.getLogger("llmserve.draft")
 
 
 class DraftProposer:
-    def __init__(self, config: SpeculativeConfig, settings: Settings, target_vocab_size: int, eos_token_ids: list[int]
-                 ) -> None:
+    def __init__(
+        self, config: SpeculativeConfig, settings: Settings, target_vocab_size: int, eos_token_ids: list[int]
+    ) -> None:
         self.k = config.num_speculative_tokens
         memory = config.draft_kv_cache_memory or max(settings.kv_cache_memory // 4, 1)
-        draft_settings = settings.model_copy(update={
-            "model": config.model, "kv_cache_memory": memory, "torch_compile": False, "speculative_config": "",
-        })
+        draft_settings = settings.model_copy(
+            update={
+                "model": config.model,
+                "kv_cache_memory": memory,
+                "torch_compile": False,
+                "speculative_config": "",
+            }
+        )
         self.runner = ModelRunner(draft_settings, eos_token_ids)
         if self.runner.config.vocab_size != target_vocab_size:
-            raise ValueError(f"the draft model's vocabulary ({self.runner.config.vocab_size} tokens) is not the "
-                             f"target's ({target_vocab_size})")
+            raise ValueError(
+                f"the draft model's vocabulary ({self.runner.config.vocab_size} tokens) is not the "
+                f"target's ({target_vocab_size})"
+            )
         self.block_manager = BlockManager(self.runner.num_blocks, settings.block_size, enable_prefix_caching=False)
         self.max_model_len = self.runner.max_model_len
         self.states: dict[str, Sequence] = {}
-        log.info("draft model %s: %d layers, KV cache %d blocks", config.model, self.runner.config.num_layers,
-                 self.runner.num_blocks)
+        log.info(
+            "draft model %s: %d layers, KV cache %d blocks",
+            config.model,
+            self.runner.config.num_layers,
+            self.runner.num_blocks,
+        )
 
     def retain(self, request_ids: set[str]) -> None:
         """Free the draft state of every sequence but these."""
@@ -48,7 +60,7 @@ class DraftProposer:
         drafts: list[Sequence | None] = [self._sync(seq, limit) for seq, limit in rows]
         limits = [min(limit, self.k) for _, limit in rows]
         proposals: list[list[int]] = [[] for _ in rows]
-        for round_ in range(max(limits, default=0)):
+        for _ in range(max(limits, default=0)):
             active = [i for i, d in enumerate(drafts) if d is not None and len(proposals[i]) < limits[i]]
             scheduled: list[ScheduledSeq] = []
             for i in active:

@@ -14,10 +14,10 @@ import torch
 
 from config import Settings
 from model.engine.block_manager import BlockManager
+from model.engine.draft import DraftProposer
 from model.engine.model_runner import ModelRunner
 from model.engine.scheduler import Scheduler, SchedulerOutput
 from model.engine.sequence import SamplingParams, Sequence, StepOutput
-from model.engine.draft import DraftProposer
 from model.engine.speculative import NgramProposer, SpeculativeConfig
 from model.structured_output import GrammarCache, GrammarError, new_matcher, tokenizer_info
 from model.tokenizer import Tokenizer
@@ -65,13 +65,18 @@ class Engine:
         self.speculative = SpeculativeConfig.parse(settings.speculative_config)
         self.proposer: NgramProposer | DraftProposer | None = None
         if self.speculative is not None and self.speculative.method == "draft_model":
-            self.proposer = DraftProposer(self.speculative, settings, self.runner.config.vocab_size,
-                                          self.runner.eos_token_ids)
+            self.proposer = DraftProposer(
+                self.speculative, settings, self.runner.config.vocab_size, self.runner.eos_token_ids
+            )
         elif self.speculative is not None:
             self.proposer = NgramProposer(self.speculative)
         if self.speculative is not None:
-            log.info("speculative decoding: %s, %d tokens, while at most %d sequences run", self.speculative.method,
-                     self.speculative.num_speculative_tokens, self.speculative.max_batch_size)
+            log.info(
+                "speculative decoding: %s, %d tokens, while at most %d sequences run",
+                self.speculative.method,
+                self.speculative.num_speculative_tokens,
+                self.speculative.max_batch_size,
+            )
         self.spec_drafts = self.spec_draft_tokens = self.spec_accepted_tokens = 0
         self.max_model_len = self.runner.max_model_len
         self.block_manager = BlockManager(self.runner.num_blocks, settings.block_size, settings.enable_prefix_caching)
@@ -110,12 +115,18 @@ class Engine:
     def describe(self) -> str:
         c = self.runner.config
         return (
-            f"model={self.settings.model_path} arch={c.architecture} layers={c.num_layers} heads={c.num_heads}/{c.num_kv_heads} "
+            f"model={self.settings.model_path} arch={c.architecture} layers={c.num_layers} "
+            f"heads={c.num_heads}/{c.num_kv_heads} "
             f"dtype={str(self.runner.dtype).removeprefix('torch.')} device={self.runner.device} "
             f"attention={self.runner.attention_backend} kv_cache={self.block_manager.num_blocks} blocks x "
-            f"{self.block_manager.block_size} tokens = {self.kv_capacity_tokens} tokens max_model_len={self.max_model_len} "
+            f"{self.block_manager.block_size} tokens = {self.kv_capacity_tokens} tokens "
+            f"max_model_len={self.max_model_len} "
             f"loaded in {self.runner.load_seconds:.1f}s"
-            + (f", decode step compiled in {self.runner.compile_seconds:.1f}s" if self.runner.compiled_forward is not None else "")
+            + (
+                f", decode step compiled in {self.runner.compile_seconds:.1f}s"
+                if self.runner.compiled_forward is not None
+                else ""
+            )
         )
 
     # ---- called from any thread -------------------------------------------------------------------------------
@@ -130,7 +141,9 @@ class Engine:
                 f"({len(prompt_token_ids)} in the prompt, {params.max_tokens} for the completion)"
             )
         if self.block_manager.blocks_needed(total) > self.block_manager.num_blocks:
-            raise ValueError(f"the request needs {total} tokens of KV cache but the server holds {self.kv_capacity_tokens}")
+            raise ValueError(
+                f"the request needs {total} tokens of KV cache but the server holds {self.kv_capacity_tokens}"
+            )
         vocab = self.runner.config.vocab_size
         if any(not 0 <= t < vocab for t in prompt_token_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
@@ -248,7 +261,9 @@ class Engine:
         sched: SchedulerOutput = self.scheduler.schedule()
         self.num_steps += 1
         if self.step_records is not None:
-            self.step_records.append(StepRecord([(s.seq.request_id, s.num_tokens) for s in sched.scheduled], sched.num_preempted))
+            self.step_records.append(
+                StepRecord([(s.seq.request_id, s.num_tokens) for s in sched.scheduled], sched.num_preempted)
+            )
         if not sched.scheduled:
             return []
         now = time.monotonic()
@@ -270,7 +285,7 @@ class Engine:
             for j, token in enumerate(new):  # the first token that ends the sequence drops the ones after it
                 reason = self._finish_reason(seq, token, len(seq) - len(new) + j + 1)
                 if reason is not None:
-                    del seq.token_ids[len(seq) - len(new) + j + 1:]
+                    del seq.token_ids[len(seq) - len(new) + j + 1 :]
                     new = new[: j + 1]
                     break
             self.generation_tokens_total += len(new)
@@ -299,9 +314,10 @@ class Engine:
                 return "stop"
             if seq.matcher.is_terminated():  # the grammar is complete and its stop token was sampled
                 return "stop"
-        if num_output >= p.min_tokens:
-            if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
-                return "stop"
+        if num_output >= p.min_tokens and (
+            (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids
+        ):
+            return "stop"
         if num_output >= p.max_tokens or length >= self.max_model_len:
             return "length"
         return None

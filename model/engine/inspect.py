@@ -1,4 +1,5 @@
-"""`llmserve inspect`: the decoder's module tree with shapes and parameter counts, like print() of a transformers model."""
+"""`llmserve inspect`: the decoder's module tree with shapes and parameter counts, like print() of a
+transformers model."""
 
 import torch
 

@@ -1,4 +1,5 @@
-"""ModelRunner: builds the decoder and its KV pool, turns scheduled sequences into a Batch, and returns sampled tokens."""
+"""ModelRunner: builds the decoder and its KV pool, turns scheduled sequences into a Batch, and returns
+sampled tokens."""
 
 import logging
 import shutil
@@ -23,6 +24,7 @@ from model.layers.sampler import Sampler, SamplingBatch
 from model.loaders import load_config, read_weights
 
 log = logging.getLogger("llmserve.model_runner")
+
 
 @dataclass(slots=True)
 class StepSample:
@@ -54,8 +56,14 @@ def c_compiler_found() -> bool:
 
 
 def build_decoder(
-    path: Path, config: ModelConfig, max_positions: int, dtype: torch.dtype, device: torch.device,
-    quantization: str = "none", prepack_weights: bool = True, keep_weights: bool = False,
+    path: Path,
+    config: ModelConfig,
+    max_positions: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    quantization: str = "none",
+    prepack_weights: bool = True,
+    keep_weights: bool = False,
 ) -> Decoder:
     """Allocate the decoder without random init, stream the checkpoint into it tensor by tensor, then give its
     linear layers their CPU form: quantized, or reordered once for oneDNN."""
@@ -79,11 +87,19 @@ class ModelRunner:
         self.config = load_config(settings.model_path)
         self.max_model_len = settings.max_model_len or self.config.max_position_embeddings
         self.block_size = settings.block_size
-        self.eos_token_ids = sorted(set(eos_token_ids) | set(self.config.eos_token_ids))  # the tokenizer's and the checkpoint's
+        self.eos_token_ids = sorted(
+            set(eos_token_ids) | set(self.config.eos_token_ids)
+        )  # the tokenizer's and the checkpoint's
         started = time.perf_counter()
         self.decoder = build_decoder(
-            settings.model_path, self.config, self.max_model_len, self.dtype, self.device,
-            settings.quantization, settings.prepack_weights, keep_weights=settings.torch_compile,
+            settings.model_path,
+            self.config,
+            self.max_model_len,
+            self.dtype,
+            self.device,
+            settings.quantization,
+            settings.prepack_weights,
+            keep_weights=settings.torch_compile,
         )
         self.load_seconds = time.perf_counter() - started
         self.sampler = Sampler()
@@ -127,7 +143,13 @@ class ModelRunner:
             self.compiled_one_row(batch)
             batch = self.prepare(decode_rows(2))
             # the row count and the number of blocks as unbacked sizes: one graph serves every batch of two or more
-            for rows in (batch.input_ids, batch.positions, batch.logits_indices, batch.slot_mapping, batch.block_tables):
+            for rows in (
+                batch.input_ids,
+                batch.positions,
+                batch.logits_indices,
+                batch.slot_mapping,
+                batch.block_tables,
+            ):
                 torch._dynamo.decorators.mark_unbacked(rows, 0)
             torch._dynamo.decorators.mark_unbacked(batch.block_tables, 1)
             self.compiled_forward(batch)
@@ -150,15 +172,15 @@ class ModelRunner:
         use_flash = flash_attn_usable(self.device) and self.dtype != torch.float32 and self.block_size % 256 == 0
         if flash_attn_usable(self.device) and not use_flash:
             log.warning("flash-attn unused: it needs --block-size a multiple of 256 and a 16-bit --dtype")
-        for layer in self.decoder.layers:
-            layer.self_attn.attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            layer.self_attn.attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            layer.self_attn.attn.use_flash = use_flash
+        for attn in self.decoder.attention_layers():
+            attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            attn.use_flash = use_flash
         return num_blocks
 
     @property
     def attention_backend(self) -> str:
-        return "flash-attn" if self.decoder.layers[0].self_attn.attn.use_flash else "torch-sdpa"
+        return "flash-attn" if self.decoder.attention_layers()[0].use_flash else "torch-sdpa"
 
     def prepare(self, scheduled: list[ScheduledSeq]) -> Batch:
         input_ids: list[int] = []
@@ -171,8 +193,8 @@ class ModelRunner:
         for s in scheduled:
             seq, start = s.seq, s.seq.num_computed_tokens
             end = start + s.num_tokens
-            input_ids.extend(seq.token_ids[start:end - s.num_spec])
-            input_ids.extend(seq.spec_token_ids[:s.num_spec])
+            input_ids.extend(seq.token_ids[start : end - s.num_spec])
+            input_ids.extend(seq.spec_token_ids[: s.num_spec])
             positions.extend(range(start, end))
             table = seq.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
@@ -261,13 +283,13 @@ class ModelRunner:
         logprobs: list[list[TokenLogprob]] | None = [] if result.logprobs is not None else None
         at = 0
         for s, generator in zip(rows, generators, strict=True):
-            proposals = s.seq.spec_token_ids[:s.num_spec]
+            proposals = s.seq.spec_token_ids[: s.num_spec]
             accepted = 0
             while accepted < len(proposals) and sampled[at + accepted] == proposals[accepted]:
                 accepted += 1
-            tokens.append(sampled[at:at + accepted + 1])
+            tokens.append(sampled[at : at + accepted + 1])
             if logprobs is not None and result.logprobs is not None:
-                logprobs.append([lp for lp in result.logprobs[at:at + accepted + 1] if lp is not None])
+                logprobs.append([lp for lp in result.logprobs[at : at + accepted + 1] if lp is not None])
             if generator is not None and s.num_spec:
                 generator.set_state(saved[id(generator)])
                 for _ in range(accepted + 1):

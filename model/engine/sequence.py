@@ -54,7 +54,7 @@ class Sequence:
         self.first_scheduled_time: float | None = None
         # Advanced with every sampled token. A preempted sequence keeps its output tokens and recomputes their KV,
         # so its matcher stays in step with them and never needs a rollback.
-        self.matcher: "xgrammar.GrammarMatcher | None" = None
+        self.matcher: xgrammar.GrammarMatcher | None = None
         self.spec_token_ids: list[int] = []  # proposed next tokens, checked by this step's forward (not yet output)
 
     def __len__(self) -> int:

@@ -100,5 +100,5 @@ class NgramProposer:
             matches = np.all(ids[candidates[:, None] - back] == ids[last - 1 - back], axis=1)
             if matches.any():
                 end = int(candidates[int(np.argmax(matches))])
-                return ids[end + 1: end + 1 + k].tolist()
+                return ids[end + 1 : end + 1 + k].tolist()
         return []

@@ -23,6 +23,9 @@ def flash_attn_usable(device: torch.device) -> bool:
 
 
 class PagedAttention(nn.Module):
+    k_cache: torch.Tensor  # buffers (register_buffer below)
+    v_cache: torch.Tensor
+
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, window: int | None) -> None:
         super().__init__()
         self.num_heads = num_heads
@@ -51,10 +54,17 @@ class PagedAttention(nn.Module):
         window = (self.window - 1, 0) if self.window else (-1, -1)
         cu_seqlens_k = F.pad(batch.context_lens.cumsum(0, dtype=torch.int32), (1, 0))
         return flash_attn_varlen_func(
-            q, self.k_cache, self.v_cache,
-            cu_seqlens_q=batch.query_start_loc, cu_seqlens_k=cu_seqlens_k,
-            max_seqlen_q=batch.max_query_len, max_seqlen_k=batch.max_context_len,
-            softmax_scale=self.scale, causal=True, window_size=window, block_table=batch.block_tables,
+            q,
+            self.k_cache,
+            self.v_cache,
+            cu_seqlens_q=batch.query_start_loc,
+            cu_seqlens_k=cu_seqlens_k,
+            max_seqlen_q=batch.max_query_len,
+            max_seqlen_k=batch.max_context_len,
+            softmax_scale=self.scale,
+            causal=True,
+            window_size=window,
+            block_table=batch.block_tables,
         )
 
     def _torch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Batch) -> torch.Tensor:
@@ -98,8 +108,11 @@ class PagedAttention(nn.Module):
         # kernel is 5x faster so in bfloat16 than with enable_gqa at B=16-64, and 10 % in float32)
         groups = self.num_heads // self.num_kv_heads
         o = F.scaled_dot_product_attention(
-            q.view(nd, self.num_kv_heads, groups, self.head_dim), k.transpose(1, 2), v.transpose(1, 2),
-            attn_mask=mask, scale=self.scale,
+            q.view(nd, self.num_kv_heads, groups, self.head_dim),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            attn_mask=mask,
+            scale=self.scale,
         )  # [B, KVH, G, D]
         return o.reshape(nd, self.num_heads, self.head_dim)
 

@@ -32,6 +32,9 @@ class WeightOnlyLinear(nn.Module):
 
 
 class Int8Linear(WeightOnlyLinear):
+    weight: torch.Tensor  # buffers (register_buffer below)
+    scales: torch.Tensor
+
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__(linear)
         w = linear.weight.detach().float()  # [out, in]
@@ -74,7 +77,9 @@ class Int4Linear(WeightOnlyLinear):
         q, scale, minimum = int4_quantize(linear.weight)
         self.register_buffer("weight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))  # [out, in/2] uint8
         zero = minimum + 8 * scale
-        self.register_buffer("scales_and_zeros", torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16))
+        self.register_buffer(
+            "scales_and_zeros", torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
+        )
 
     @staticmethod
     def supports(linear: nn.Linear) -> bool:

@@ -82,14 +82,17 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(t, inv_freq)  # [P, R/2]
         self.cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)  # [P, R]
 
-    def forward(self, positions: torch.Tensor, qk: torch.Tensor, cache: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    def forward(
+        self, positions: torch.Tensor, qk: torch.Tensor, cache: dict[int, tuple[torch.Tensor, torch.Tensor]]
+    ) -> torch.Tensor:
         """qk: [T, heads, D], the query and key heads side by side, rotated in one pass. `cache` (one per step,
         shared by all layers) holds this table's cos and sin at `positions`, looked up once instead of per layer."""
         cos_sin = cache.get(id(self))
         if cos_sin is None:
             if self.cos_sin.numel() == 0 or self.cos_sin.device != positions.device:
                 self.build_cache(positions.device)
-            cos_sin = cache[id(self)] = self.cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, R/2] each
+            cos, sin = self.cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, R/2] each
+            cos_sin = cache[id(self)] = (cos, sin)
         cos, sin = cos_sin
         if self.rotary_dim == self.head_dim:
             return _rotate(qk, cos, sin)
@@ -97,7 +100,9 @@ class RotaryEmbedding(nn.Module):
         return torch.cat([_rotate(qk[..., : self.rotary_dim], cos, sin), qk[..., self.rotary_dim :]], dim=-1)
 
     def extra_repr(self) -> str:
-        return f"head_dim={self.head_dim}, rotary_dim={self.rotary_dim}, theta={self.theta}, scaling={self.rope_scaling}"
+        return (
+            f"head_dim={self.head_dim}, rotary_dim={self.rotary_dim}, theta={self.theta}, scaling={self.rope_scaling}"
+        )
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

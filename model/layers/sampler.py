@@ -70,9 +70,11 @@ class SamplingBatch:
             return torch.tensor(list(values), dtype=dtype, device=device)
 
         greedy = [p.temperature < _MIN_TEMPERATURE for p in params]
-        sampled = [p for p, g in zip(params, greedy) if not g]
+        sampled = [p for p, g in zip(params, greedy, strict=True) if not g]
         batch = cls(
-            temperature=tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)], torch.float32),
+            temperature=tensor(
+                [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)], torch.float32
+            ),
             top_k=tensor([p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params], torch.int64),
             top_p=tensor([p.top_p for p in params], torch.float32),
             all_greedy=all(greedy),
@@ -89,20 +91,24 @@ class SamplingBatch:
 
         bias = [(i, t, b) for i, p in enumerate(params) for t, b in (p.logit_bias or {}).items() if 0 <= t < vocab_size]
         if bias:
-            bias_rows, bias_ids, bias_values = zip(*bias)
-            batch.logit_bias = (tensor(bias_rows, torch.int64), tensor(bias_ids, torch.int64), tensor(bias_values, torch.float32))
+            bias_rows, bias_ids, bias_values = zip(*bias, strict=True)
+            batch.logit_bias = (
+                tensor(bias_rows, torch.int64),
+                tensor(bias_ids, torch.int64),
+                tensor(bias_values, torch.float32),
+            )
 
         # min_tokens: the row may not end yet, so every id that would end it is banned (ignore_eos does not matter).
         # A constrained row ends where its grammar does: banning the end there would leave it no token at all.
         banned = [
             (i, t)
-            for i, (p, out) in enumerate(zip(params, output_token_ids))
+            for i, (p, out) in enumerate(zip(params, output_token_ids, strict=True))
             if len(out) < p.min_tokens and p.constraint is None
             for t in {*eos_token_ids, *p.stop_token_ids}
             if 0 <= t < vocab_size
         ]
         if banned:
-            banned_rows, banned_ids = zip(*banned)
+            banned_rows, banned_ids = zip(*banned, strict=True)
             batch.banned = (tensor(banned_rows, torch.int64), tensor(banned_ids, torch.int64))
 
         pen = [i for i, p in enumerate(params) if p.presence_penalty != 0 or p.frequency_penalty != 0]
@@ -154,8 +160,13 @@ class Sampler(nn.Module):
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """logit_bias, repetition (HF), presence/frequency (OpenAI), min_tokens bans, grammar bitmask: edits of a [B, V]
     copy."""
-    if (batch.logit_bias is None and batch.seen is None and batch.counted is None and batch.banned is None
-            and batch.token_bitmask is None):
+    if (
+        batch.logit_bias is None
+        and batch.seen is None
+        and batch.counted is None
+        and batch.banned is None
+        and batch.token_bitmask is None
+    ):
         return logits
     logits = logits.clone()
     if batch.logit_bias is not None:
@@ -171,8 +182,8 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     if batch.banned is not None:
         logits.index_put_(batch.banned, torch.tensor(float("-inf"), device=logits.device))
     if batch.token_bitmask is not None:  # disallowed ids -> -inf, in place, on the masked rows only
-        bitmask, rows = batch.token_bitmask
-        xgrammar.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1], indices=rows)
+        bitmask, masked_rows = batch.token_bitmask
+        xgrammar.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1], indices=masked_rows)
     return logits
 
 
@@ -302,5 +313,5 @@ def compute_logprobs(raw: torch.Tensor, token_ids: torch.Tensor, wanted: list[in
     out: list[TokenLogprob | None] = [None] * len(wanted)
     for j, i in enumerate(rows):
         k = wanted[i] or 0
-        out[i] = TokenLogprob(int(token_ids[i]), chosen[j], list(zip(top_ids[j][:k], top_values[j][:k])))
+        out[i] = TokenLogprob(int(token_ids[i]), chosen[j], list(zip(top_ids[j][:k], top_values[j][:k], strict=True)))
     return out

@@ -1,4 +1,5 @@
-"""Pick the reader by what `path` is: a .gguf file or a Hugging Face folder. Readers yield (transformers name, tensor)."""
+"""Pick the reader by what `path` is: a .gguf file or a Hugging Face folder.
+Readers yield (transformers name, tensor)."""
 
 from collections.abc import Iterator
 from pathlib import Path

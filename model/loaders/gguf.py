@@ -91,7 +91,6 @@ class GGUFFile:
                 tensor = unpermute(tensor, num_kv_heads)
             yield name, tensor
 
-
     def _dequantize(self, t: gguf.ReaderTensor) -> np.ndarray:
         """float32 [out, in] (t.shape reversed), dequantized CHUNK_BYTES of rows at a time: gguf's numpy
         dequantize makes several float32 temporaries of its input, which for a whole embedding is hundreds of MB."""
@@ -107,7 +106,8 @@ class GGUFFile:
         return out
 
     def _release(self, t: gguf.ReaderTensor) -> None:
-        # drop this tensor's file pages from our resident set (the page cache keeps them), as the safetensors reader does
+        # drop this tensor's file pages from our resident set (the page cache keeps them),
+        # as the safetensors reader does
         mapping = getattr(self.reader.data, "_mmap", None)
         if mapping is not None and t.n_bytes:
             start = t.data_offset // mmap.PAGESIZE * mmap.PAGESIZE

@@ -5,6 +5,7 @@ We read the format ourselves (8-byte header length, JSON header, raw data) rathe
 each tensor's pages can be dropped from the process (madvise DONTNEED) once the next one is asked for: resident
 memory while loading stays at the model plus one tensor, instead of growing by every mapped shard."""
 
+import contextlib
 import json
 import mmap
 from collections.abc import Iterator
@@ -76,7 +77,9 @@ def read_header(path: Path) -> tuple[int, list[tuple[str, dict[str, Any]]]]:
         except (KeyError, TypeError, ValueError) as exc:
             raise CheckpointFileError(f"{path}: corrupt header entry for {name!r} ({exc!r})") from exc
         if end - begin != numel * dtype.itemsize or begin < 0:
-            raise CheckpointFileError(f"{path}: corrupt header: {name!r} spans {end - begin} bytes for {numel} elements")
+            raise CheckpointFileError(
+                f"{path}: corrupt header: {name!r} spans {end - begin} bytes for {numel} elements"
+            )
         if data_start + end > size:
             raise CheckpointFileError(
                 f"{path}: truncated: tensor {name!r} ends at byte {data_start + end} but the file has {size} bytes"
@@ -110,7 +113,5 @@ def read_safetensors_file(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
             start = begin // page * page
             mm.madvise(mmap.MADV_DONTNEED, start, end - start)
     finally:
-        try:
+        with contextlib.suppress(BufferError):  # a consumer still holds a view; the mapping goes with the last one
             mm.close()
-        except BufferError:
-            pass  # a consumer still holds a view; the mapping goes when the last view does

@@ -38,18 +38,30 @@ from server.routes.common import (
     serving,
     submit,
 )
-from server.tools import ToolCallDelta, ToolCallFormat, ToolCallParser, ToolSetup, structural_tag, template_messages, tool_setup
 from server.streaming import collect_unless_disconnected, sse_response
+from server.tools import (
+    ToolCallDelta,
+    ToolCallFormat,
+    ToolCallParser,
+    ToolSetup,
+    structural_tag,
+    template_messages,
+    tool_setup,
+)
 
 router = APIRouter(responses=ERROR_RESPONSES)
-_STREAM_DOC: dict[int | str, dict[str, Any]] = {200: {"content": {"text/event-stream": {}}, "description": "JSON, or SSE when stream"}}
+_STREAM_DOC: dict[int | str, dict[str, Any]] = {
+    200: {"content": {"text/event-stream": {}}, "description": "JSON, or SSE when stream"}
+}
 
 
 def tools_for(ctx: Serving) -> ToolSetup:
     return tool_setup(ctx.tokenizer.hf.chat_template, ctx.settings.tool_call_parser)
 
 
-async def render_prompt(ctx: Serving, body: ChatCompletionRequest, tools: list[dict[str, Any]] | None = None) -> list[int]:
+async def render_prompt(
+    ctx: Serving, body: ChatCompletionRequest, tools: list[dict[str, Any]] | None = None
+) -> list[int]:
     """The prompt's token ids; `tools` (checked dicts) go into the template when the model may call them."""
     kwargs = dict(body.chat_template_kwargs or {})
     for reserved in ("messages", "add_generation_prompt", "continue_final_message", "tokenize", "tools"):
@@ -77,8 +89,9 @@ async def render_prompt(ctx: Serving, body: ChatCompletionRequest, tools: list[d
     return prompt
 
 
-@router.post("/v1/chat/completions", dependencies=[Depends(admit)], response_model=ChatCompletionResponse,
-             responses=_STREAM_DOC)
+@router.post(
+    "/v1/chat/completions", dependencies=[Depends(admit)], response_model=ChatCompletionResponse, responses=_STREAM_DOC
+)
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
     ctx = serving(request)
     check_model(ctx, body.model)
@@ -90,8 +103,10 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     constraint = body.grammar_spec()
     if tools and tool_choice != "none":
         if constraint is not None:
-            raise bad_request('response_format and guided outputs cannot be combined with tools unless tool_choice '
-                              'is "none"', constraint[1])
+            raise bad_request(
+                'response_format and guided outputs cannot be combined with tools unless tool_choice is "none"',
+                constraint[1],
+            )
         parallel = body.parallel_tool_calls is not False
         constraint = GrammarSpec("structural_tag", structural_tag(tools, tool_choice, parallel, setup.format)), "tools"
     prompt = await render_prompt(ctx, body, tools if tool_choice != "none" else None)
@@ -102,7 +117,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     request_id = new_request_id("chatcmpl")
     model = body.model or ctx.settings.model_name
     n = body.n or 1
-    stream = submit(ctx, request_id, [prompt], params, n, stop, body.include_stop_str_in_output, body.skip_special_tokens)
+    stream = submit(
+        ctx, request_id, [prompt], params, n, stop, body.include_stop_str_in_output, body.skip_special_tokens
+    )
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return sse_response(request, _chunks(ctx, request, stream, model, include_usage, tool_format), stream)
@@ -120,8 +137,15 @@ def _final_reason(reason: str | None, parser: ToolCallParser | None) -> str | No
     return "tool_calls" if reason == "stop" and parser is not None and parser.calls else reason
 
 
-def _response(ctx: Serving, request: Request, stream: RequestStream, deltas: list[Delta], model: str,
-              want_logprobs: bool, tool_format: ToolCallFormat | None) -> ChatCompletionResponse:
+def _response(
+    ctx: Serving,
+    request: Request,
+    stream: RequestStream,
+    deltas: list[Delta],
+    model: str,
+    want_logprobs: bool,
+    tool_format: ToolCallFormat | None,
+) -> ChatCompletionResponse:
     texts: list[list[str]] = [[] for _ in range(stream.num_choices)]
     logprobs: list[list[ChatTokenLogprob]] = [[] for _ in range(stream.num_choices)]
     finish: list[str | None] = [None] * stream.num_choices
@@ -142,10 +166,21 @@ def _response(ctx: Serving, request: Request, stream: RequestStream, deltas: lis
             calls = [ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in parser.calls]
             message = AssistantMessage(content=content or (None if calls else ""), tool_calls=calls or None)
             finish[i] = _final_reason(finish[i], parser)
-        choices.append(ChatChoice(index=i, message=message, logprobs=ChatLogprobs(content=logprobs[i]) if want_logprobs else None,
-                                  finish_reason=finish[i]))
-    return ChatCompletionResponse(id=stream.request_id, choices=choices, model=model, system_fingerprint=ctx.fingerprint,
-                                  usage=make_usage(prompt_tokens, completion_tokens, cached))
+        choices.append(
+            ChatChoice(
+                index=i,
+                message=message,
+                logprobs=ChatLogprobs(content=logprobs[i]) if want_logprobs else None,
+                finish_reason=finish[i],
+            )
+        )
+    return ChatCompletionResponse(
+        id=stream.request_id,
+        choices=choices,
+        model=model,
+        system_fingerprint=ctx.fingerprint,
+        usage=make_usage(prompt_tokens, completion_tokens, cached),
+    )
 
 
 def _delta_tool_calls(deltas: list[ToolCallDelta]) -> list[DeltaToolCall]:
@@ -155,28 +190,49 @@ def _delta_tool_calls(deltas: list[ToolCallDelta]) -> list[DeltaToolCall]:
         if out and out[-1].index == d.index and out[-1].function is not None:
             out[-1].function.arguments = (out[-1].function.arguments or "") + d.arguments
         elif d.id is not None:
-            out.append(DeltaToolCall(index=d.index, id=d.id, type="function",
-                                     function=DeltaFunctionCall(name=d.name, arguments=d.arguments)))
+            out.append(
+                DeltaToolCall(
+                    index=d.index,
+                    id=d.id,
+                    type="function",
+                    function=DeltaFunctionCall(name=d.name, arguments=d.arguments),
+                )
+            )
         else:
             out.append(DeltaToolCall(index=d.index, function=DeltaFunctionCall(arguments=d.arguments)))
     return out
 
 
-async def _chunks(ctx: Serving, request: Request, stream: RequestStream, model: str, include_usage: bool,
-                  tool_format: ToolCallFormat | None) -> AsyncIterator[ChatCompletionChunk]:
+async def _chunks(
+    ctx: Serving,
+    request: Request,
+    stream: RequestStream,
+    model: str,
+    include_usage: bool,
+    tool_format: ToolCallFormat | None,
+) -> AsyncIterator[ChatCompletionChunk]:
     created = now()
     extra: dict[str, Any] = {"usage": None} if include_usage else {}  # usage: null on every chunk only when asked
 
     def chunk(choices: list[ChatChunkChoice]) -> ChatCompletionChunk:
-        return ChatCompletionChunk(id=stream.request_id, choices=choices, created=created, model=model,
-                                   system_fingerprint=ctx.fingerprint, **extra)
+        return ChatCompletionChunk(
+            id=stream.request_id,
+            choices=choices,
+            created=created,
+            model=model,
+            system_fingerprint=ctx.fingerprint,
+            **extra,
+        )
 
     for i in range(stream.num_choices):  # the role goes first, before any token, so clients see the answer start
-        yield chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""), logprobs=None, finish_reason=None)])
+        yield chunk(
+            [ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""), logprobs=None, finish_reason=None)]
+        )
     finish: list[str | None] = [None] * stream.num_choices
     parsers = [ToolCallParser(tool_format) if tool_format is not None else None for _ in range(stream.num_choices)]
     async for d in stream:
-        text, calls, parser = d.text, [], parsers[d.index]
+        text, parser = d.text, parsers[d.index]
+        calls: list[ToolCallDelta] = []
         if parser is not None:  # text that may start a call waits until it is known
             text, calls = parser.feed(d.text)
             if d.finish_reason is not None:
@@ -194,6 +250,12 @@ async def _chunks(ctx: Serving, request: Request, stream: RequestStream, model: 
     prompt_tokens, completion_tokens, cached = stream.usage()
     record_usage(request, prompt_tokens, completion_tokens, finish)
     if include_usage:
-        last = ChatCompletionChunk(id=stream.request_id, choices=[], created=created, model=model,
-                                   system_fingerprint=ctx.fingerprint, usage=make_usage(prompt_tokens, completion_tokens, cached))
+        last = ChatCompletionChunk(
+            id=stream.request_id,
+            choices=[],
+            created=created,
+            model=model,
+            system_fingerprint=ctx.fingerprint,
+            usage=make_usage(prompt_tokens, completion_tokens, cached),
+        )
         yield last

@@ -84,11 +84,23 @@ def serving(request: Request) -> Serving:
     state = request.app.state
     if state.async_engine is None:
         message = f"model failed to load: {state.load_error}" if state.load_error else "the model is still loading"
-        raise APIError(503, message, code="model_loading" if not state.load_error else "model_load_failed",
-                       headers={"Retry-After": "5"})
+        raise APIError(
+            503,
+            message,
+            code="model_loading" if not state.load_error else "model_load_failed",
+            headers={"Retry-After": "5"},
+        )
     engine: AsyncEngine = state.async_engine
-    return Serving(state.settings, engine, engine.engine.tokenizer, state.token_text, state.metrics,
-                   engine.engine.max_model_len, state.fingerprint, state.tokenizer_worker)
+    return Serving(
+        state.settings,
+        engine,
+        engine.engine.tokenizer,
+        state.token_text,
+        state.metrics,
+        engine.engine.max_model_len,
+        state.fingerprint,
+        state.tokenizer_worker,
+    )
 
 
 def fingerprint(settings: "Settings", describe: str) -> str:
@@ -98,8 +110,12 @@ def fingerprint(settings: "Settings", describe: str) -> str:
 
 def check_model(ctx: Serving, model: str | None) -> None:
     if model is not None and model != ctx.settings.model_name:
-        raise APIError(404, f"The model `{model}` does not exist. This server serves `{ctx.settings.model_name}`.",
-                       param="model", code="model_not_found")
+        raise APIError(
+            404,
+            f"The model `{model}` does not exist. This server serves `{ctx.settings.model_name}`.",
+            param="model",
+            code="model_not_found",
+        )
 
 
 async def admit(request: Request) -> None:
@@ -130,13 +146,25 @@ def now() -> int:
 
 
 def submit(
-    ctx: Serving, request_id: str, prompts: list[list[int]], params: SamplingParams, n: int, stop: list[str],
-    include_stop_str_in_output: bool, skip_special_tokens: bool,
+    ctx: Serving,
+    request_id: str,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    n: int,
+    stop: list[str],
+    include_stop_str_in_output: bool,
+    skip_special_tokens: bool,
 ) -> RequestStream:
     try:
-        return ctx.engine.submit(request_id, prompts, params, n=n, stop=stop,
-                                 include_stop_str_in_output=include_stop_str_in_output,
-                                 skip_special_tokens=skip_special_tokens)
+        return ctx.engine.submit(
+            request_id,
+            prompts,
+            params,
+            n=n,
+            stop=stop,
+            include_stop_str_in_output=include_stop_str_in_output,
+            skip_special_tokens=skip_special_tokens,
+        )
     except ValueError as exc:  # the engine's own check: the request can never run (e.g. more than the KV cache holds)
         message = str(exc)
         too_long = "context length" in message or "KV cache" in message
@@ -158,7 +186,9 @@ async def compile_constraint(ctx: Serving, spec: GrammarSpec, param: str) -> Con
         raise APIError(400, str(exc), param=exc.param or param) from exc
 
 
-def record_usage(request: Request, prompt_tokens: int, completion_tokens: int, finish_reasons: list[str | None]) -> None:
+def record_usage(
+    request: Request, prompt_tokens: int, completion_tokens: int, finish_reasons: list[str | None]
+) -> None:
     """For the access log line, which the front-door middleware writes after the response."""
     request.state.prompt_tokens = prompt_tokens
     request.state.completion_tokens = completion_tokens

@@ -27,10 +27,14 @@ from server.routes.common import (
 from server.streaming import collect_unless_disconnected, sse_response
 
 router = APIRouter(responses=ERROR_RESPONSES)
-_STREAM_DOC: dict[int | str, dict[str, Any]] = {200: {"content": {"text/event-stream": {}}, "description": "JSON, or SSE when stream"}}
+_STREAM_DOC: dict[int | str, dict[str, Any]] = {
+    200: {"content": {"text/event-stream": {}}, "description": "JSON, or SSE when stream"}
+}
 
 
-async def tokenize_prompts(ctx: Serving, prompt: str | list[str] | list[int] | list[list[int]]) -> tuple[list[list[int]], list[str]]:
+async def tokenize_prompts(
+    ctx: Serving, prompt: str | list[str] | list[int] | list[list[int]]
+) -> tuple[list[list[int]], list[str]]:
     """Token ids and text of each prompt (the text is what `echo` repeats)."""
     items: list[Any] = [prompt] if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) else list(prompt)
     if not items:
@@ -71,8 +75,9 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     model = body.model or ctx.settings.model_name
     n = body.n or 1
     echo = [prompt_texts[i // n] if body.echo else "" for i in range(len(prompts) * n)]
-    stream = submit(ctx, new_request_id("cmpl"), prompts, params, n, stop, body.include_stop_str_in_output,
-                    body.skip_special_tokens)
+    stream = submit(
+        ctx, new_request_id("cmpl"), prompts, params, n, stop, body.include_stop_str_in_output, body.skip_special_tokens
+    )
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return sse_response(request, _chunks(ctx, request, stream, model, echo, include_usage), stream)
@@ -86,8 +91,15 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     return JSONResponse(_response(ctx, request, stream, deltas, model, echo, want_logprobs).model_dump(mode="json"))
 
 
-def _response(ctx: Serving, request: Request, stream: RequestStream, deltas: list[Delta], model: str, echo: list[str],
-              want_logprobs: bool) -> CompletionResponse:
+def _response(
+    ctx: Serving,
+    request: Request,
+    stream: RequestStream,
+    deltas: list[Delta],
+    model: str,
+    echo: list[str],
+    want_logprobs: bool,
+) -> CompletionResponse:
     texts = [[e] for e in echo]
     logprobs = [CompletionLogprobs() for _ in echo]
     offsets = [len(e) for e in echo]
@@ -104,21 +116,35 @@ def _response(ctx: Serving, request: Request, stream: RequestStream, deltas: lis
     prompt_tokens, completion_tokens, cached = stream.usage()
     record_usage(request, prompt_tokens, completion_tokens, finish)
     choices = [
-        CompletionChoice(index=i, text="".join(texts[i]), logprobs=logprobs[i] if want_logprobs else None, finish_reason=finish[i])
+        CompletionChoice(
+            index=i, text="".join(texts[i]), logprobs=logprobs[i] if want_logprobs else None, finish_reason=finish[i]
+        )
         for i in range(len(echo))
     ]
-    return CompletionResponse(id=stream.request_id, choices=choices, model=model, system_fingerprint=ctx.fingerprint,
-                              usage=make_usage(prompt_tokens, completion_tokens, cached))
+    return CompletionResponse(
+        id=stream.request_id,
+        choices=choices,
+        model=model,
+        system_fingerprint=ctx.fingerprint,
+        usage=make_usage(prompt_tokens, completion_tokens, cached),
+    )
 
 
-async def _chunks(ctx: Serving, request: Request, stream: RequestStream, model: str, echo: list[str],
-                  include_usage: bool) -> AsyncIterator[CompletionResponse]:
+async def _chunks(
+    ctx: Serving, request: Request, stream: RequestStream, model: str, echo: list[str], include_usage: bool
+) -> AsyncIterator[CompletionResponse]:
     created = now()
     extra: dict[str, Any] = {"usage": None} if include_usage else {}  # usage: null on every chunk only when asked
 
     def chunk(choice: CompletionChoice) -> CompletionResponse:
-        return CompletionResponse(id=stream.request_id, choices=[choice], created=created, model=model,
-                                  system_fingerprint=ctx.fingerprint, **extra)
+        return CompletionResponse(
+            id=stream.request_id,
+            choices=[choice],
+            created=created,
+            model=model,
+            system_fingerprint=ctx.fingerprint,
+            **extra,
+        )
 
     offsets = [len(e) for e in echo]
     for i, text in enumerate(echo):
@@ -137,5 +163,11 @@ async def _chunks(ctx: Serving, request: Request, stream: RequestStream, model: 
     prompt_tokens, completion_tokens, cached = stream.usage()
     record_usage(request, prompt_tokens, completion_tokens, finish)
     if include_usage:
-        yield CompletionResponse(id=stream.request_id, choices=[], created=created, model=model,
-                                 system_fingerprint=ctx.fingerprint, usage=make_usage(prompt_tokens, completion_tokens, cached))
+        yield CompletionResponse(
+            id=stream.request_id,
+            choices=[],
+            created=created,
+            model=model,
+            system_fingerprint=ctx.fingerprint,
+            usage=make_usage(prompt_tokens, completion_tokens, cached),
+        )

@@ -33,8 +33,11 @@ async def health(request: Request) -> JSONResponse:
     """200 when the engine is loaded and its worker thread runs; 503 while loading, after a crash, or draining."""
     state = request.app.state
     if state.async_engine is None:
-        raise APIError(503, f"model failed to load: {state.load_error}" if state.load_error else "the model is still loading",
-                       code="model_loading")
+        raise APIError(
+            503,
+            f"model failed to load: {state.load_error}" if state.load_error else "the model is still loading",
+            code="model_loading",
+        )
     if state.async_engine.dead or not state.async_engine.engine.stats().is_alive:
         raise APIError(503, "the inference engine has stopped", code="engine_dead")
     return JSONResponse({"status": "ok"})

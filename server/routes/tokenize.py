@@ -20,10 +20,16 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
         raise bad_request("give exactly one of prompt and messages", param="prompt")
     if body.messages is None:
         prompt = body.prompt or ""
-        tokens = await ctx.tokenize(len(prompt), ctx.tokenizer.encode, prompt, add_special_tokens=body.add_special_tokens)
+        tokens = await ctx.tokenize(
+            len(prompt), ctx.tokenizer.encode, prompt, add_special_tokens=body.add_special_tokens
+        )
     else:
-        chat = ChatCompletionRequest(model=ctx.settings.model_name, messages=body.messages, tools=body.tools,
-                                     add_generation_prompt=body.add_generation_prompt)
+        chat = ChatCompletionRequest(
+            model=ctx.settings.model_name,
+            messages=body.messages,
+            tools=body.tools,
+            add_generation_prompt=body.add_generation_prompt,
+        )
         tokens = await render_prompt(ctx, chat, chat.tool_dicts() or None)
     return TokenizeResponse(count=len(tokens), max_model_len=ctx.max_model_len, tokens=tokens)
 

@@ -36,8 +36,13 @@ def browser() -> Iterator["Browser"]:
 @pytest.fixture(scope="package")
 def server(browser: "Browser", default_model_path: Path, default_tokenizer: Tokenizer) -> Iterator[LiveServer]:
     """Asks for the browser first, so that without one no model is loaded only to skip."""
-    settings = Settings(models_dir=default_model_path.parent, api_key=API_KEY, max_model_len=2048,
-                        kv_cache_memory=128 * 1024 * 1024, max_num_seqs=8)
+    settings = Settings(
+        models_dir=default_model_path.parent,
+        api_key=API_KEY,
+        max_model_len=2048,
+        kv_cache_memory=128 * 1024 * 1024,
+        max_num_seqs=8,
+    )
     from model.engine.engine import Engine
 
     live, thread = start_server(settings, engine_factory=lambda s: Engine(s, tokenizer=default_tokenizer))

@@ -28,14 +28,17 @@ class PageProblems:
             self.errors.append(f"CSP: {message.text}")
 
 
-def open_page(browser: Browser, server: LiveServer, viewport: dict[str, int] | None = None,
-              **settings: Any) -> tuple[Page, PageProblems]:
+def open_page(
+    browser: Browser, server: LiveServer, viewport: dict[str, int] | None = None, **settings: Any
+) -> tuple[Page, PageProblems]:
     """A fresh browser profile on the chat page. `settings` (store.js names: apiKey, max_tokens, ...) are what the
     user typed on an earlier visit: they go into localStorage before the page's scripts first run."""
     context = browser.new_context(viewport=viewport or {"width": 1280, "height": 800})
     if settings:
         value = json.dumps(json.dumps(settings))
-        context.add_init_script(f"if (!localStorage.getItem('{SETTINGS_KEY}')) localStorage.setItem('{SETTINGS_KEY}', {value});")
+        context.add_init_script(
+            f"if (!localStorage.getItem('{SETTINGS_KEY}')) localStorage.setItem('{SETTINGS_KEY}', {value});"
+        )
     page = context.new_page()
     problems = PageProblems(page)
     response = page.goto(server.url + "/")
@@ -77,11 +80,21 @@ def sse(*pieces: str, prompt_tokens: int = 7) -> str:
 
     def chunk(delta: dict[str, Any] | None, finish: str | None = None, usage: dict[str, int] | None = None) -> str:
         choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
-        body = {"id": "chatcmpl-fake", "object": "chat.completion.chunk", "created": 0, "model": MODEL,
-                "choices": choices, "usage": usage}
+        body = {
+            "id": "chatcmpl-fake",
+            "object": "chat.completion.chunk",
+            "created": 0,
+            "model": MODEL,
+            "choices": choices,
+            "usage": usage,
+        }
         return f"data: {json.dumps(body)}\n\n"
 
-    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": len(pieces), "total_tokens": prompt_tokens + len(pieces)}
+    usage = {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": len(pieces),
+        "total_tokens": prompt_tokens + len(pieces),
+    }
     frames = [chunk({"role": "assistant", "content": ""})]
     frames += [chunk({"content": piece}) for piece in pieces]
     frames += [chunk({}, finish="stop"), chunk(None, usage=usage), "data: [DONE]\n\n"]

@@ -74,8 +74,17 @@ def test_code_block_is_highlighted_with_a_copy_button(chat: ChatPage, server: Li
 
 
 def test_every_turn_sends_the_history_and_settings(browser: Browser, server: LiveServer) -> None:
-    page, problems = open_page(browser, server, apiKey=API_KEY, system="Answer briefly.", temperature="0.5",
-                               top_p="0.9", top_k="40", max_tokens="64", seed="7")
+    page, problems = open_page(
+        browser,
+        server,
+        apiKey=API_KEY,
+        system="Answer briefly.",
+        temperature="0.5",
+        top_p="0.9",
+        top_k="40",
+        max_tokens="64",
+        seed="7",
+    )
     ready(page)
     bodies: list[dict[str, Any]] = []
 
@@ -93,7 +102,11 @@ def test_every_turn_sends_the_history_and_settings(browser: Browser, server: Liv
         "messages": [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "first"}],
         "stream": True,
         "stream_options": {"include_usage": True},
-        "temperature": 0.5, "top_p": 0.9, "top_k": 40, "max_tokens": 64, "seed": 7,
+        "temperature": 0.5,
+        "top_p": 0.9,
+        "top_k": 40,
+        "max_tokens": 64,
+        "seed": 7,
     }
     assert bodies[1]["messages"] == [
         {"role": "system", "content": "Answer briefly."},
@@ -149,8 +162,12 @@ def test_phone_width(browser: Browser, server: LiveServer) -> None:
     ready(page)
     sidebar = page.locator("#sidebar")
     expect(sidebar).not_to_be_in_viewport()  # the conversation list waits behind its button
-    page.route(CHAT_ROUTE, lambda route: fulfill_stream(route, "A long line that must wrap: " + "word " * 60,
-                                                        "\n\n```\n" + "x = 1  # " + "long " * 40 + "\n```\n"))
+    page.route(
+        CHAT_ROUTE,
+        lambda route: fulfill_stream(
+            route, "A long line that must wrap: " + "word " * 60, "\n\n```\n" + "x = 1  # " + "long " * 40 + "\n```\n"
+        ),
+    )
     answer = finished(send(page, "Hello from a phone."), "done")
     expect(answer).to_be_in_viewport()
     for control in ("#prompt", "#send", "#json-mode", "#toggle-settings"):

@@ -47,7 +47,9 @@ def test_cached_decoding_equals_full_recompute(make_engine: MakeEngine, default_
         assert (logits - ref[len(ids) - 1 + i]).abs().max().item() <= 1e-4
 
 
-def test_staggered_batch_gives_each_request_its_solo_tokens(make_engine: MakeEngine, default_tokenizer: Tokenizer) -> None:
+def test_staggered_batch_gives_each_request_its_solo_tokens(
+    make_engine: MakeEngine, default_tokenizer: Tokenizer
+) -> None:
     engine = make_engine(max_num_batched_tokens=256)
     requests = {f"r{i}": (prompt_ids(default_tokenizer, 5 + 9 * i, seed=i), greedy(8)) for i in range(16)}
     solo = {rid: run(engine, {rid: req})[rid] for rid, req in requests.items()}
@@ -71,7 +73,9 @@ def test_shared_prefix_is_computed_once(make_engine: MakeEngine, default_tokeniz
     assert with_cache == without_cache
 
 
-def test_preemption_under_memory_pressure_changes_no_output(make_engine: MakeEngine, default_tokenizer: Tokenizer) -> None:
+def test_preemption_under_memory_pressure_changes_no_output(
+    make_engine: MakeEngine, default_tokenizer: Tokenizer
+) -> None:
     requests = {f"r{i}": (prompt_ids(default_tokenizer, 40 + i, seed=20 + i), greedy(24)) for i in range(12)}
     unconstrained = make_engine(max_num_batched_tokens=1024)
     reference = run(unconstrained, requests)

@@ -22,7 +22,9 @@ def collect_outputs(engine: Engine, rid: str, ids: list[int], params: SamplingPa
 
 
 @torch.inference_mode()
-def test_logprobs_equal_log_softmax_of_a_reference_forward(make_engine: MakeEngine, default_tokenizer: Tokenizer) -> None:
+def test_logprobs_equal_log_softmax_of_a_reference_forward(
+    make_engine: MakeEngine, default_tokenizer: Tokenizer
+) -> None:
     engine = make_engine()
     ids = default_tokenizer.apply_chat_template([{"role": "user", "content": "Name a colour."}])
     params = SamplingParams(temperature=0.8, seed=5, max_tokens=6, ignore_eos=True, logprobs=5)

@@ -67,7 +67,11 @@ def test_random_load_with_aborts_leaks_nothing() -> None:
     sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=48)
     live: list[Sequence] = []
     for i in range(500):
-        s = Sequence(f"r{i}", [rng.randrange(5) for _ in range(rng.randint(1, 40))], SamplingParams(max_tokens=rng.randint(1, 12)))
+        s = Sequence(
+            f"r{i}",
+            [rng.randrange(5) for _ in range(rng.randint(1, 40))],
+            SamplingParams(max_tokens=rng.randint(1, 12)),
+        )
         sched.add(s)
         live.append(s)
         if rng.random() < 0.2 and live:

@@ -40,8 +40,9 @@ def check_outputs(tokenizer: Tokenizer, outputs: dict[str, list[int]], schema: d
 
 @settings(max_examples=10, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 @given(schema=schemas, seed=st.integers(0, 2**31), temperature=st.floats(1.0, 1.5))
-def test_generated_schemas_validate_when_sampled_hot(engine: Engine, default_tokenizer: Tokenizer, schema: dict[str, Any],
-                                                    seed: int, temperature: float) -> None:
+def test_generated_schemas_validate_when_sampled_hot(
+    engine: Engine, default_tokenizer: Tokenizer, schema: dict[str, Any], seed: int, temperature: float
+) -> None:
     constraint = engine.grammars.compile(GrammarSpec.json_schema(schema))
     prompt = chat(default_tokenizer, "Reply in JSON.")
     requests = {
@@ -52,33 +53,56 @@ def test_generated_schemas_validate_when_sampled_hot(engine: Engine, default_tok
     outputs = run(engine, requests)
     free = outputs.pop("free")
     # bounded schemas: a sampled row that cannot finish in 96 tokens is rare, three in a row would be a bug
-    assert check_outputs(default_tokenizer, outputs, schema) >= 1, [default_tokenizer.decode(t) for t in outputs.values()]
+    assert check_outputs(default_tokenizer, outputs, schema) >= 1, [
+        default_tokenizer.decode(t) for t in outputs.values()
+    ]
     assert len(free) <= 16
     assert engine.stats().kv_blocks_used == 0
 
 
 def test_most_hot_samples_finish_and_validate(engine: Engine, default_tokenizer: Tokenizer) -> None:
     """The property above skips outputs cut by max_tokens; this one shows that they are the exception."""
-    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
-                                               "population": {"type": "integer", "minimum": 0, "maximum": 10**7},
-                                               "sunny": {"type": "boolean"}},
-              "required": ["city", "population", "sunny"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 20},
+            "population": {"type": "integer", "minimum": 0, "maximum": 10**7},
+            "sunny": {"type": "boolean"},
+        },
+        "required": ["city", "population", "sunny"],
+        "additionalProperties": False,
+    }
     constraint = engine.grammars.compile(GrammarSpec.json_schema(schema))
     prompt = chat(default_tokenizer, "Describe a city in JSON.")
-    requests = {f"r{i}": (prompt, SamplingParams(temperature=1.5, seed=i, max_tokens=64, constraint=constraint))
-                for i in range(12)}
+    requests = {
+        f"r{i}": (prompt, SamplingParams(temperature=1.5, seed=i, max_tokens=64, constraint=constraint))
+        for i in range(12)
+    }
     assert check_outputs(default_tokenizer, run(engine, requests), schema) >= 10
 
 
-def test_constrained_greedy_is_batch_invariant_and_survives_preemption(make_engine: Any, engine: Engine,
-                                                                       default_tokenizer: Tokenizer) -> None:
-    schemas_ = [{"type": "object", "properties": {f"field_{i}": {"type": "string", "maxLength": 10 + i},
-                                                  "n": {"type": "integer", "minimum": 0, "maximum": 999}},
-                 "required": [f"field_{i}", "n"], "additionalProperties": False} for i in range(8)]
+def test_constrained_greedy_is_batch_invariant_and_survives_preemption(
+    make_engine: Any, engine: Engine, default_tokenizer: Tokenizer
+) -> None:
+    schemas_ = [
+        {
+            "type": "object",
+            "properties": {
+                f"field_{i}": {"type": "string", "maxLength": 10 + i},
+                "n": {"type": "integer", "minimum": 0, "maximum": 999},
+            },
+            "required": [f"field_{i}", "n"],
+            "additionalProperties": False,
+        }
+        for i in range(8)
+    ]
     requests = {
-        f"r{i}": (chat(default_tokenizer, f"Give me record number {i} as JSON, with some words."),
-                  SamplingParams(temperature=0, max_tokens=48,
-                                 constraint=engine.grammars.compile(GrammarSpec.json_schema(schemas_[i]))))
+        f"r{i}": (
+            chat(default_tokenizer, f"Give me record number {i} as JSON, with some words."),
+            SamplingParams(
+                temperature=0, max_tokens=48, constraint=engine.grammars.compile(GrammarSpec.json_schema(schemas_[i]))
+            ),
+        )
         for i in range(8)
     }
     alone = {rid: run(engine, {rid: request})[rid] for rid, request in list(requests.items())[:2]}
@@ -89,8 +113,14 @@ def test_constrained_greedy_is_batch_invariant_and_survives_preemption(make_engi
     per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4
     tight = make_engine(kv_cache_memory=per_token * 16 * 8, max_num_batched_tokens=1024)  # ~2 sequences at once
     for rid, (prompt, params) in requests.items():  # the tight engine's own cache compiles the same schemas
-        requests[rid] = (prompt, SamplingParams(temperature=0, max_tokens=48,
-                                                constraint=tight.grammars.compile(params.constraint.spec)))  # type: ignore[union-attr]
+        requests[rid] = (
+            prompt,
+            SamplingParams(
+                temperature=0,
+                max_tokens=48,
+                constraint=tight.grammars.compile(params.constraint.spec),  # type: ignore[union-attr]
+            ),
+        )
     preempted = run(tight, requests)
     assert tight.stats().num_preemptions > 0
     assert preempted == batched

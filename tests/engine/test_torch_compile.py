@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from config import Settings
+from model.batch import Batch
 from model.engine.engine import Engine
 from model.engine.model_runner import c_compiler_found
-from model.batch import Batch
 from tests.engine.drive import greedy, run
 from tests.model.families import build_hf, make_tokenizer, prompts, save_hf
 

@@ -32,30 +32,56 @@ VOCAB = 96
 WINDOW = 16
 # Common shape: 2-4 layers, hidden 64, GQA 4 query heads over 2 KV heads.
 BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0)  # fmt: skip
+            num_key_value_heads=2, max_position_embeddings=256,
+            bos_token_id=1, eos_token_id=2, pad_token_id=0)  # fmt: skip
 
 FAMILIES: dict[str, Callable[[], PretrainedConfig]] = {
     # Llama 3.2: tied LM head, llama3 rope scaling
-    "llama3": lambda: LlamaConfig(**BASE, tie_word_embeddings=True, rope_parameters={
-        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),  # fmt: skip
+    "llama3": lambda: LlamaConfig(
+        **BASE,
+        tie_word_embeddings=True,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 32.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ),  # fmt: skip
     # Llama 2 style: untied head, linear rope scaling, biases on attention and MLP
-    "llama2-linear": lambda: LlamaConfig(**BASE, tie_word_embeddings=False, attention_bias=True, mlp_bias=True,
-                                         rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}),
+    "llama2-linear": lambda: LlamaConfig(
+        **BASE,
+        tie_word_embeddings=False,
+        attention_bias=True,
+        mlp_bias=True,
+        rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
+    ),
     "mistral": lambda: MistralConfig(**BASE, sliding_window=WINDOW, tie_word_embeddings=False),
     "qwen2": lambda: Qwen2Config(**BASE, tie_word_embeddings=True),
     "qwen3": lambda: Qwen3Config(**BASE, head_dim=32, tie_word_embeddings=True),
-    "phi3": lambda: Phi3Config(**{**BASE, "num_hidden_layers": 3}, sliding_window=WINDOW, partial_rotary_factor=0.5,
-                               tie_word_embeddings=False),
+    "phi3": lambda: Phi3Config(
+        **{**BASE, "num_hidden_layers": 3}, sliding_window=WINDOW, partial_rotary_factor=0.5, tie_word_embeddings=False
+    ),
     # Gemma 3: MQA, local layers with window 16 and theta 10k, global layers with theta 1M and linear scaling
     "gemma3": lambda: gemma3_text(),
     # Gemma 3 4B+ layout: the same text decoder inside Gemma3ForConditionalGeneration, next to a vision tower
     # (no logit soft-capping: real Gemma 3 has none, and transformers' multimodal class would not apply it)
     "gemma3-vision": lambda: Gemma3Config(
-        text_config=gemma3_text(final_logit_softcapping=None).to_dict(), mm_tokens_per_image=4, image_token_index=VOCAB - 1,
-        boi_token_index=VOCAB - 3, eoi_token_index=VOCAB - 2, vision_config=SiglipVisionConfig(
-            hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
-            patch_size=14).to_dict()),  # fmt: skip
+        text_config=gemma3_text(final_logit_softcapping=None).to_dict(),
+        mm_tokens_per_image=4,
+        image_token_index=VOCAB - 1,
+        boi_token_index=VOCAB - 3,
+        eoi_token_index=VOCAB - 2,
+        vision_config=SiglipVisionConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            image_size=28,
+            patch_size=14,
+        ).to_dict(),
+    ),  # fmt: skip
 }
 
 
@@ -63,9 +89,16 @@ FAMILIES: dict[str, Callable[[], PretrainedConfig]] = {
 # crosses from short_factor to long_factor. Kept apart from FAMILIES: a prefill longer than 64 tokens is where
 # transformers' choice of table (by the length of the whole forward) and ours (by position) part.
 LONGROPE: dict[str, Callable[[], PretrainedConfig]] = {
-    "phi3-longrope": lambda: Phi3Config(**{**BASE, "num_hidden_layers": 2}, partial_rotary_factor=0.5,
-        original_max_position_embeddings=64, rope_scaling={"rope_type": "longrope",
-        "short_factor": [1.0, 1.2, 1.5, 2.0], "long_factor": [2.0, 4.0, 8.0, 16.0]}),  # fmt: skip
+    "phi3-longrope": lambda: Phi3Config(
+        **{**BASE, "num_hidden_layers": 2},
+        partial_rotary_factor=0.5,
+        original_max_position_embeddings=64,
+        rope_scaling={
+            "rope_type": "longrope",
+            "short_factor": [1.0, 1.2, 1.5, 2.0],
+            "long_factor": [2.0, 4.0, 8.0, 16.0],
+        },
+    ),  # fmt: skip
 }
 
 
@@ -73,8 +106,10 @@ def gemma3_text(final_logit_softcapping: float | None = 30.0) -> Gemma3TextConfi
     return Gemma3TextConfig(**{**BASE, "num_hidden_layers": 4, "num_key_value_heads": 1}, head_dim=32,
         query_pre_attn_scalar=24, sliding_window=WINDOW, final_logit_softcapping=final_logit_softcapping,
         layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
-        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                         "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0}})  # fmt: skip
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0},
+        })  # fmt: skip
 
 
 def randomize(model: PreTrainedModel, seed: int = 0) -> None:

@@ -31,20 +31,28 @@ def test_batched_decode_matches_float64(dtype: torch.dtype, tol: float, window: 
     q = torch.randn(3, heads, dim).to(dtype)
     k_new = torch.randn(3, kv_heads, dim).to(dtype)
     v_new = torch.randn(3, kv_heads, dim).to(dtype)
-    slots = [t[(c - 1) // block_size] * block_size + (c - 1) % block_size for t, c in zip(tables, ctx)]
+    slots = [t[(c - 1) // block_size] * block_size + (c - 1) % block_size for t, c in zip(tables, ctx, strict=True)]
     padded = [t + [-1] * (3 - len(t)) for t in tables]
     nb = 3
     batch = Batch(
-        input_ids=torch.zeros(3, dtype=torch.int64), positions=torch.tensor([c - 1 for c in ctx]),
-        slot_mapping=torch.tensor(slots), block_tables=torch.tensor(padded, dtype=torch.int32),
-        context_lens=torch.tensor(ctx, dtype=torch.int32), query_start_loc=torch.arange(4, dtype=torch.int32),
-        logits_indices=torch.arange(3), num_decode=3, max_query_len=1, max_context_len=12,
-        query_lens_cpu=[1, 1, 1], context_lens_cpu=ctx,
-        decode_block_ids=torch.tensor([b for t in padded for b in t]).clamp(min=0), decode_blocks=nb,
+        input_ids=torch.zeros(3, dtype=torch.int64),
+        positions=torch.tensor([c - 1 for c in ctx]),
+        slot_mapping=torch.tensor(slots),
+        block_tables=torch.tensor(padded, dtype=torch.int32),
+        context_lens=torch.tensor(ctx, dtype=torch.int32),
+        query_start_loc=torch.arange(4, dtype=torch.int32),
+        logits_indices=torch.arange(3),
+        num_decode=3,
+        max_query_len=1,
+        max_context_len=12,
+        query_lens_cpu=[1, 1, 1],
+        context_lens_cpu=ctx,
+        decode_block_ids=torch.tensor([b for t in padded for b in t]).clamp(min=0),
+        decode_blocks=nb,
         decode_mask=(torch.arange(nb * block_size)[None, :] < torch.tensor(ctx)[:, None])[:, None, None, :],
     )
     out = attn(q, k_new, v_new, batch)
-    for i, (table, c) in enumerate(zip(tables, ctx)):
+    for i, (table, c) in enumerate(zip(tables, ctx, strict=True)):
         k = attn.k_cache[table].reshape(-1, kv_heads, dim)[:c]  # includes the K just written through slot_mapping
         v = attn.v_cache[table].reshape(-1, kv_heads, dim)[:c]
         assert torch.equal(k[-1], k_new[i]) and torch.equal(v[-1], v_new[i])

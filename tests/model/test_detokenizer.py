@@ -14,7 +14,9 @@ from model.tokenizer import Tokenizer
 SENTENCE = "The stop word STOP ends here"  # ['The', ' stop', ' word', ' ST', 'OP', ' ends', ' here']
 
 
-def stream(tok: Tokenizer, ids: list[int], stop: list[str], include: bool = False, sizes: list[int] | None = None) -> tuple[list[str], TextEmitter]:
+def stream(
+    tok: Tokenizer, ids: list[int], stop: list[str], include: bool = False, sizes: list[int] | None = None
+) -> tuple[list[str], TextEmitter]:
     """Push `ids` in chunks of `sizes` (cycled; default one token at a time), then flush; the deltas and the emitter."""
     emitter = TextEmitter(tok, stop, include_stop_str_in_output=include)
     deltas: list[str] = []
@@ -68,7 +70,9 @@ def sentence_ids(default_tokenizer: Tokenizer) -> list[int]:
         (["xyz", "nothing"], False, SENTENCE),
     ],
 )
-def test_stop_strings(default_tokenizer: Tokenizer, sentence_ids: list[int], stop: list[str], include: bool, want: str) -> None:
+def test_stop_strings(
+    default_tokenizer: Tokenizer, sentence_ids: list[int], stop: list[str], include: bool, want: str
+) -> None:
     for sizes in ([1], [2], [3, 1], [len(sentence_ids)]):
         deltas, emitter = stream(default_tokenizer, sentence_ids, stop, include, sizes)
         assert "".join(deltas) == want == emitter.text
@@ -87,7 +91,8 @@ def test_nothing_leaks_after_a_stop(default_tokenizer: Tokenizer, sentence_ids: 
 def test_holds_back_only_a_possible_stop_prefix(default_tokenizer: Tokenizer, sentence_ids: list[int]) -> None:
     emitter = TextEmitter(default_tokenizer, ["STOP!", "nds x"])
     deltas = [emitter.push([i]) for i in sentence_ids]
-    # ' ST': "ST" could begin "STOP!"; 'OP': "STOP" still could; ' ends': "STOP" no longer can, "nds" could begin "nds x".
+    # ' ST': "ST" could begin "STOP!"; 'OP': "STOP" still could;
+    # ' ends': "STOP" no longer can, "nds" could begin "nds x".
     assert deltas == ["The", " stop", " word", " ", "", "STOP e", "nds here"]
     assert emitter.flush() == "" and not emitter.stopped and emitter.text == SENTENCE
 
@@ -121,7 +126,9 @@ def fragment_ids(default_tokenizer: Tokenizer) -> list[int]:
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
-def test_streamed_deltas_equal_the_full_decode(default_tokenizer: Tokenizer, fragment_ids: list[int], data: st.DataObject) -> None:
+def test_streamed_deltas_equal_the_full_decode(
+    default_tokenizer: Tokenizer, fragment_ids: list[int], data: st.DataObject
+) -> None:
     token = st.one_of(st.sampled_from(fragment_ids), st.integers(0, default_tokenizer.vocab_size - 1))
     ids = data.draw(st.lists(token, max_size=40), label="ids")
     sizes = data.draw(st.lists(st.integers(1, 5), min_size=1, max_size=5), label="sizes")
@@ -171,7 +178,9 @@ def test_byte_fallback_run_is_held_until_it_closes(byte_fallback_tokenizer: Toke
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
-def test_byte_fallback_streamed_deltas_equal_the_full_decode(byte_fallback_tokenizer: Tokenizer, data: st.DataObject) -> None:
+def test_byte_fallback_streamed_deltas_equal_the_full_decode(
+    byte_fallback_tokenizer: Tokenizer, data: st.DataObject
+) -> None:
     utf8 = [3 + b for b in "é中🎉".encode()]
     token = st.one_of(st.sampled_from(utf8), st.integers(0, byte_fallback_tokenizer.vocab_size - 1))
     ids = data.draw(st.lists(token, max_size=30), label="ids")
@@ -187,7 +196,9 @@ def test_byte_fallback_streamed_deltas_equal_the_full_decode(byte_fallback_token
 
 def test_each_push_decodes_a_bounded_window(default_tokenizer: Tokenizer) -> None:
     """O(1) per token: pushing a long output token by token never decodes more than a few ids at once."""
-    ids = default_tokenizer.encode("Streaming text, 日本語 and 🎉 emoji, token by token. " * 60, add_special_tokens=False)
+    ids = default_tokenizer.encode(
+        "Streaming text, 日本語 and 🎉 emoji, token by token. " * 60, add_special_tokens=False
+    )
     emitter = TextEmitter(default_tokenizer, ["never appears"])
     decode, widths = emitter._decode, []
 

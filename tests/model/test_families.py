@@ -31,7 +31,9 @@ DECODE_STEPS = 16
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
-def family_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, PreTrainedModel, Path]:
+def family_model(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[str, PreTrainedModel, Path]:
     family = request.param
     model = build_hf(family)
     return family, model, save_hf(model, tmp_path_factory.mktemp(family))
@@ -42,7 +44,9 @@ def test_config_carries_the_family_quirks(family_model: tuple[str, PreTrainedMod
     config = load_config(folder)
     hf = model.config.get_text_config()
     assert (config.num_layers, config.num_heads, config.num_kv_heads) == (
-        hf.num_hidden_layers, hf.num_attention_heads, hf.num_key_value_heads
+        hf.num_hidden_layers,
+        hf.num_attention_heads,
+        hf.num_key_value_heads,
     )
     assert config.tie_word_embeddings == model.config.tie_word_embeddings
     expected_windows = {
@@ -58,7 +62,7 @@ def test_prefill_logits_match_transformers(family_model: tuple[str, PreTrainedMo
     _, model, folder = family_model
     batch = prompts()  # 5, 23 and 50 tokens in one batch: the last crosses the sliding window of 16
     ours = our_logits(load_ours(folder), batch)
-    for prompt, logits in zip(batch, ours):
+    for prompt, logits in zip(batch, ours, strict=True):
         reference = hf_logits(model, prompt)
         assert logits.shape == reference.shape
         assert (logits - reference).abs().max().item() <= TOL
@@ -94,7 +98,7 @@ def test_paged_decode_matches_transformers_and_greedy_is_identical(
             generated[out.request_id] += out.new_token_ids
     per_request: dict[str, list[torch.Tensor]] = {rid: [] for rid in generated}
     for ids, logits in captured:
-        for rid, row in zip(ids, logits):
+        for rid, row in zip(ids, logits, strict=True):
             per_request[rid].append(row)
 
     for i, prompt in enumerate(batch):
@@ -107,8 +111,12 @@ def test_paged_decode_matches_transformers_and_greedy_is_identical(
         assert (ours - reference).abs().max().item() <= TOL
         with torch.no_grad():
             hf_tokens = model.generate(
-                torch.tensor([prompt]), do_sample=False, max_new_tokens=DECODE_STEPS, min_new_tokens=DECODE_STEPS,
-                eos_token_id=None, pad_token_id=0,
+                torch.tensor([prompt]),
+                do_sample=False,
+                max_new_tokens=DECODE_STEPS,
+                min_new_tokens=DECODE_STEPS,
+                eos_token_id=None,
+                pad_token_id=0,
             )[0, len(prompt) :].tolist()
         assert tokens == hf_tokens
 
@@ -132,7 +140,7 @@ def test_bfloat16_is_as_close_to_float32_as_transformers_own_bfloat16(
     assert {p.dtype for p in decoder.parameters()} == {torch.bfloat16}
     model_bf16 = copy.deepcopy(model).to(torch.bfloat16)
     batch = prompts()
-    for prompt, logits in zip(batch, our_logits(decoder, batch)):
+    for prompt, logits in zip(batch, our_logits(decoder, batch), strict=True):
         exact = hf_logits(model, prompt)
         theirs = (hf_logits(model_bf16, prompt) - exact).abs().max().item()
         ours = (logits - exact).abs().max().item()
@@ -157,7 +165,8 @@ def test_hub_style_config_gets_transformers_defaults(tmp_path: Path) -> None:
                         "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
                         "sliding_window": 1024},
         "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 1152, "image_size": 896,
-                          "intermediate_size": 4304, "num_attention_heads": 16, "num_hidden_layers": 27, "patch_size": 14},
+                          "intermediate_size": 4304, "num_attention_heads": 16, "num_hidden_layers": 27,
+                          "patch_size": 14},
     }))  # fmt: skip
     c = load_config(tmp_path)
     assert (c.num_heads, c.num_kv_heads, c.head_dim, c.vocab_size) == (8, 4, 256, 262208)
@@ -173,7 +182,7 @@ def test_longrope_matches_transformers_cached_decoding_across_the_pretraining_le
     folder = save_hf(model, tmp_path / "m")
     assert load_config(folder).rope_scaling["rope_type"] == "longrope"  # type: ignore[index]
     batch = prompts(seed=3, lengths=(7, 40, 61))  # all within the 64 pretraining positions: short_factor
-    for prompt, logits in zip(batch, our_logits(load_ours(folder), batch)):
+    for prompt, logits in zip(batch, our_logits(load_ours(folder), batch), strict=True):
         assert (logits - hf_logits(model, prompt)).abs().max().item() <= TOL
     # decode positions 61..76 one by one through our paged cache and through transformers' own cache
     engine = Engine(Settings(model=str(folder), kv_cache_memory=2**20, block_size=16), tokenizer=make_tokenizer())

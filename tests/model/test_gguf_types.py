@@ -168,7 +168,7 @@ def test_gguf_type_dequantizes_exactly_and_stays_within_quantization_error(
     quantized_model.load_state_dict(dequantized)
     decoder = load_ours(path, 128)
     batch = prompts(lengths=(7, 30))
-    for prompt, logits in zip(batch, our_logits(decoder, batch)):
+    for prompt, logits in zip(batch, our_logits(decoder, batch), strict=True):
         assert (logits - hf_logits(quantized_model, prompt)).abs().max().item() <= 1e-4
         reference = hf_logits(float_model, prompt)
         error = ((logits - reference).norm() / reference.norm()).item()
@@ -178,7 +178,11 @@ def test_gguf_type_dequantizes_exactly_and_stays_within_quantization_error(
 def test_llmserve_inspect_on_the_real_default_model(default_model_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "server", "inspect", str(default_model_path), "--max-model-len", "256"],
-        cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=300, check=False,
+        cwd=Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "architecture=llama layers=30 heads=9 kv_heads=3 head_dim=64 hidden=576" in result.stdout
@@ -195,16 +199,22 @@ def test_qwen_gguf_keeps_transformers_layout(family: str, qtype: Q, tmp_path: Pa
     model = build_hf(family)
     path = write_gguf(model, tmp_path / f"{family}.gguf", qtype, family)
     config = load_config(path)
-    assert (config.architecture, config.attention_bias, config.qk_norm) == (family, family == "qwen2", family == "qwen3")
+    assert (config.architecture, config.attention_bias, config.qk_norm) == (
+        family,
+        family == "qwen2",
+        family == "qwen3",
+    )
     reference = copy.deepcopy(model)  # the float model with every matrix through quantize -> gguf's dequantize
     with torch.no_grad():
         for p in reference.parameters():
             if p.dim() == 2 and qtype != Q.F32:
                 p.copy_(torch.from_numpy(gguf.quants.dequantize(quantize(p.numpy(), qtype), qtype)))
     batch = prompts()
-    for prompt, logits in zip(batch, our_logits(load_ours(path), batch)):
+    for prompt, logits in zip(batch, our_logits(load_ours(path), batch), strict=True):
         assert (logits - hf_logits(reference, prompt)).abs().max().item() <= 1e-4
-    if family == "qwen2" and qtype == Q.F32:  # transformers' own GGUF reader agrees on the file (it lacks Qwen3's head_dim)
+    if (
+        family == "qwen2" and qtype == Q.F32
+    ):  # transformers' own GGUF reader agrees on the file (it lacks Qwen3's head_dim)
         theirs = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32).eval()
         for prompt in batch:
             assert (hf_logits(theirs, prompt) - hf_logits(model, prompt)).abs().max().item() <= 1e-4

@@ -59,7 +59,9 @@ def test_unsupported_architecture_names_the_supported_ones(folder: Path, tmp_pat
 def test_unsupported_rope_type_is_refused_before_loading(folder: Path, tmp_path: Path) -> None:
     bad = copy_folder(folder, tmp_path / "m")
     edit_config(bad, rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0})
-    with pytest.raises(UnsupportedModelError, match="rope type 'yarn' is not supported; supported: default, linear, llama3, longrope"):
+    with pytest.raises(
+        UnsupportedModelError, match="rope type 'yarn' is not supported; supported: default, linear, llama3, longrope"
+    ):
         load_config(bad)
 
 
@@ -67,7 +69,9 @@ def test_missing_tensor_is_named(folder: Path, tmp_path: Path) -> None:
     bad = copy_folder(folder, tmp_path / "m")
     edit_weights(bad, drop="model.layers.1.self_attn.v_proj.weight")
     # v_proj is one third of our fused qkv_proj: the message still names the checkpoint's tensor
-    with pytest.raises(WeightError, match=r"missing tensors in the checkpoint: model\.layers\.1\.self_attn\.v_proj\.weight$"):
+    with pytest.raises(
+        WeightError, match=r"missing tensors in the checkpoint: model\.layers\.1\.self_attn\.v_proj\.weight$"
+    ):
         load_ours(bad)
 
 
@@ -144,7 +148,9 @@ def test_corrupt_gguf_names_the_file(tmp_path: Path) -> None:
 
 def test_gguf_missing_tensor_is_named(tmp_path: Path) -> None:
     path = tiny_gguf(tmp_path / "tiny.gguf")  # one layer declared, none of its tensors written
-    with pytest.raises(WeightError, match=r"missing tensors in the checkpoint: model\.layers\.0\.input_layernorm\.weight"):
+    with pytest.raises(
+        WeightError, match=r"missing tensors in the checkpoint: model\.layers\.0\.input_layernorm\.weight"
+    ):
         load_ours(path, 16)
 
 
@@ -152,7 +158,12 @@ def test_cli_exits_non_zero_with_the_message(folder: Path, tmp_path: Path) -> No
     bad = copy_folder(folder, tmp_path / "m")
     edit_config(bad, model_type="gpt_neox")
     result = subprocess.run(
-        [sys.executable, "-m", "server", "inspect", str(bad)], cwd=ROOT, capture_output=True, text=True, timeout=120, check=False
+        [sys.executable, "-m", "server", "inspect", str(bad)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
     assert result.returncode != 0
     assert "unsupported architecture 'gpt_neox'; supported: llama" in result.stderr

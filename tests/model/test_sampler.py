@@ -186,7 +186,9 @@ def test_min_tokens_masks_eos_and_stop_ids_until_reached() -> None:
     assert (drawn[:, 3] == EOS).any()
 
 
-def run_steps(params: list[SamplingParams], seeds: list[int | None], target: int, steps: list[torch.Tensor]) -> list[int]:
+def run_steps(
+    params: list[SamplingParams], seeds: list[int | None], target: int, steps: list[torch.Tensor]
+) -> list[int]:
     """Sample `len(steps)` tokens for a batch; row `target` sees the same logits in every batch layout."""
     generators = [None if s is None else torch.Generator().manual_seed(s) for s in seeds]
     sampler, tokens = Sampler(), []

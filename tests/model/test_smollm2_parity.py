@@ -21,10 +21,18 @@ PROMPTS = [
 def single_sequence_batch(ids: list[int]) -> Batch:
     t = len(ids)
     return Batch(
-        input_ids=torch.tensor(ids), positions=torch.arange(t), slot_mapping=torch.arange(t),
-        block_tables=torch.zeros(1, 1, dtype=torch.int32), context_lens=torch.tensor([t], dtype=torch.int32),
-        query_start_loc=torch.tensor([0, t], dtype=torch.int32), logits_indices=torch.arange(t),
-        num_decode=0, max_query_len=t, max_context_len=t, query_lens_cpu=[t], context_lens_cpu=[t],
+        input_ids=torch.tensor(ids),
+        positions=torch.arange(t),
+        slot_mapping=torch.arange(t),
+        block_tables=torch.zeros(1, 1, dtype=torch.int32),
+        context_lens=torch.tensor([t], dtype=torch.int32),
+        query_start_loc=torch.tensor([0, t], dtype=torch.int32),
+        logits_indices=torch.arange(t),
+        num_decode=0,
+        max_query_len=t,
+        max_context_len=t,
+        query_lens_cpu=[t],
+        context_lens_cpu=[t],
     )
 
 

@@ -50,13 +50,19 @@ def test_every_token_has_its_bytes(default_tokenizer: Tokenizer, cache: GrammarC
     assert cache.info.stop_token_ids == [2]
 
 
-@pytest.mark.parametrize(("schema", "keyword"), [
-    ({"type": "object", "not": {"type": "null"}}, "not"),
-    ({"type": "array", "items": {"type": "integer", "multipleOf": 2}}, "multipleOf"),
-    ({"type": "object", "properties": {"a": {"anyOf": [{"type": "string"}, {"uniqueItems": True}]}}}, "uniqueItems"),
-    ({"$defs": {"x": {"if": {}, "then": {}}}, "$ref": "#/$defs/x"}, "if"),
-    ({"type": "object", "patternProperties": {"^a": {}}}, "patternProperties"),
-])
+@pytest.mark.parametrize(
+    ("schema", "keyword"),
+    [
+        ({"type": "object", "not": {"type": "null"}}, "not"),
+        ({"type": "array", "items": {"type": "integer", "multipleOf": 2}}, "multipleOf"),
+        (
+            {"type": "object", "properties": {"a": {"anyOf": [{"type": "string"}, {"uniqueItems": True}]}}},
+            "uniqueItems",
+        ),
+        ({"$defs": {"x": {"if": {}, "then": {}}}, "$ref": "#/$defs/x"}, "if"),
+        ({"type": "object", "patternProperties": {"^a": {}}}, "patternProperties"),
+    ],
+)
 def test_unenforceable_keywords_are_named(schema: dict[str, Any], keyword: str) -> None:
     with pytest.raises(GrammarError, match=f"'{keyword}'"):
         check_schema(schema)
@@ -71,7 +77,9 @@ def test_names_that_look_like_keywords_are_fine_and_remote_refs_are_not() -> Non
 
 
 def test_cache_counts_and_evicts_least_recently_used(cache: GrammarCache) -> None:
-    specs = [GrammarSpec.json_schema({"type": "object", "properties": {f"p{i}": {"type": "integer"}}}) for i in range(4)]
+    specs = [
+        GrammarSpec.json_schema({"type": "object", "properties": {f"p{i}": {"type": "integer"}}}) for i in range(4)
+    ]
     hits, misses = cache.hits, cache.misses
     first = cache.compile(specs[0])
     assert cache.compile(specs[0]).compiled is first.compiled
@@ -83,8 +91,11 @@ def test_cache_counts_and_evicts_least_recently_used(cache: GrammarCache) -> Non
 
 
 def test_bad_grammars_raise_grammar_error(cache: GrammarCache) -> None:
-    for spec in (GrammarSpec("regex", "([a-z"), GrammarSpec("grammar", "root ::= undefined_rule"),
-                 GrammarSpec("json_schema", json.dumps({"type": "nonsense"}))):
+    for spec in (
+        GrammarSpec("regex", "([a-z"),
+        GrammarSpec("grammar", "root ::= undefined_rule"),
+        GrammarSpec("json_schema", json.dumps({"type": "nonsense"})),
+    ):
         with pytest.raises(GrammarError):
             cache.compile(spec)
 
@@ -140,7 +151,7 @@ def test_parser_keeps_plain_text_and_cut_calls() -> None:
     cut.finish()
     assert [(c.name, c.arguments) for c in cut.calls] == [("f", '{"x": [1, 2')]
     half = ToolCallParser(fmt)
-    assert half.feed("Hi <tool_call>\n{\"na")[0] == "Hi "
+    assert half.feed('Hi <tool_call>\n{"na')[0] == "Hi "
     assert half.finish() == ("", [])  # a half-written call header is dropped, never shown as text
 
 
@@ -149,10 +160,16 @@ ENFORCED: dict[str, tuple[dict[str, Any], Any, Any]] = {  # keyword: (schema, a 
     "enum": ({"enum": ["a", 1]}, 1, 2),
     "type list": ({"type": ["integer", "null"]}, None, "s"),
     "oneOf": ({"oneOf": [{"type": "integer"}, {"type": "boolean"}]}, 1, "x"),
-    "allOf": ({"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}]},
-              {"a": 1}, {"b": 1}),
-    "prefixItems": ({"type": "array", "prefixItems": [{"type": "integer"}, {"type": "string"}], "items": False},
-                    [1, "a"], ["a", 1]),
+    "allOf": (
+        {"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}]},
+        {"a": 1},
+        {"b": 1},
+    ),
+    "prefixItems": (
+        {"type": "array", "prefixItems": [{"type": "integer"}, {"type": "string"}], "items": False},
+        [1, "a"],
+        ["a", 1],
+    ),
     "minItems": ({"type": "array", "items": {"type": "integer"}, "minItems": 2}, [1, 2], [1]),
     "maxItems": ({"type": "array", "items": {"type": "integer"}, "maxItems": 1}, [1], [1, 2]),
     "minLength": ({"type": "string", "minLength": 2}, "ab", "a"),
@@ -162,15 +179,35 @@ ENFORCED: dict[str, tuple[dict[str, Any], Any, Any]] = {  # keyword: (schema, a 
     "maximum": ({"type": "number", "maximum": 1.5}, 1.25, 2.5),
     "exclusiveMinimum": ({"type": "integer", "exclusiveMinimum": 3}, 4, 3),
     "exclusiveMaximum": ({"type": "integer", "exclusiveMaximum": 3}, 2, 3),
-    "$ref": ({"$defs": {"x": {"type": "integer"}}, "type": "object", "properties": {"a": {"$ref": "#/$defs/x"}},
-              "required": ["a"]}, {"a": 1}, {"a": "s"}),
+    "$ref": (
+        {
+            "$defs": {"x": {"type": "integer"}},
+            "type": "object",
+            "properties": {"a": {"$ref": "#/$defs/x"}},
+            "required": ["a"],
+        },
+        {"a": 1},
+        {"a": "s"},
+    ),
     "additionalProperties": ({"type": "object", "additionalProperties": {"type": "integer"}}, {"x": 1}, {"x": "s"}),
     "required": ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}, {"a": 1}, {}),
-    **{f"format {f}": ({"type": "string", "format": f}, good, "~~ not it ~~") for f, good in (
-        ("date", "2024-01-02"), ("time", "03:04:05Z"), ("date-time", "2024-01-02T03:04:05Z"), ("duration", "P1D"),
-        ("email", "a@b.co"), ("uuid", "123e4567-e89b-12d3-a456-426614174000"), ("ipv4", "1.2.3.4"),
-        ("ipv6", "::1"), ("hostname", "a.example"), ("uri", "https://a.b/c"), ("uri-reference", "/a"),
-        ("json-pointer", "/a/b"))},
+    **{
+        f"format {f}": ({"type": "string", "format": f}, good, "~~ not it ~~")
+        for f, good in (
+            ("date", "2024-01-02"),
+            ("time", "03:04:05Z"),
+            ("date-time", "2024-01-02T03:04:05Z"),
+            ("duration", "P1D"),
+            ("email", "a@b.co"),
+            ("uuid", "123e4567-e89b-12d3-a456-426614174000"),
+            ("ipv4", "1.2.3.4"),
+            ("ipv6", "::1"),
+            ("hostname", "a.example"),
+            ("uri", "https://a.b/c"),
+            ("uri-reference", "/a"),
+            ("json-pointer", "/a/b"),
+        )
+    },
 }
 
 
@@ -194,11 +231,22 @@ def test_sentencepiece_byte_fallback_vocabulary(tmp_path: Path) -> None:
     from transformers import LlamaTokenizer
 
     corpus = tmp_path / "corpus.txt"
-    corpus.write_text("\n".join(["The quick brown fox. Café naïve 東京 🎉 1234 {\"a\": [1, 2]}"] * 50
-                                + [f"hello world {i}" for i in range(200)]))
-    spm.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(tmp_path / "tokenizer"), vocab_size=400,
-                                   hard_vocab_limit=False, byte_fallback=True, model_type="bpe",
-                                   character_coverage=1.0, minloglevel=2)
+    corpus.write_text(
+        "\n".join(
+            ['The quick brown fox. Café naïve 東京 🎉 1234 {"a": [1, 2]}'] * 50
+            + [f"hello world {i}" for i in range(200)]
+        )
+    )
+    spm.SentencePieceTrainer.train(
+        input=str(corpus),
+        model_prefix=str(tmp_path / "tokenizer"),
+        vocab_size=400,
+        hard_vocab_limit=False,
+        byte_fallback=True,
+        model_type="bpe",
+        character_coverage=1.0,
+        minloglevel=2,
+    )
     hf = LlamaTokenizer.from_pretrained(str(tmp_path))
     pieces = spm.SentencePieceProcessor(model_file=str(tmp_path / "tokenizer.model"))
     assert len(hf) == pieces.get_piece_size() > 300

@@ -30,8 +30,9 @@ def server(default_model_path: Path, default_tokenizer: Tokenizer) -> Iterator[L
     from model.engine.engine import Engine  # torch and the weights: only when a server test runs
 
     # The session's tokenizer (tests/conftest.py) saves a second load; the model is the default one either way.
-    live, thread = start_server(settings, sse_ping_seconds=PING_SECONDS,
-                                engine_factory=lambda s: Engine(s, tokenizer=default_tokenizer))
+    live, thread = start_server(
+        settings, sse_ping_seconds=PING_SECONDS, engine_factory=lambda s: Engine(s, tokenizer=default_tokenizer)
+    )
     yield live
     stop_server(live, thread)
 

@@ -110,7 +110,11 @@ def wait_until_idle(server: LiveServer, timeout: float = 30.0) -> dict[str, floa
     deadline = time.monotonic() + timeout
     while True:
         m = server.metrics()
-        idle = m["vllm:num_requests_running"] == 0 and m["vllm:num_requests_waiting"] == 0 and m["llmserve:kv_blocks_used"] == 0
+        idle = (
+            m["vllm:num_requests_running"] == 0
+            and m["vllm:num_requests_waiting"] == 0
+            and m["llmserve:kv_blocks_used"] == 0
+        )
         if idle or time.monotonic() > deadline:
             return m
         time.sleep(0.05)

@@ -61,8 +61,10 @@ def test_503_while_loading_then_exit_when_loading_fails() -> None:
         chat = httpx.post(live.url + "/v1/chat/completions", json=CHAT)
         assert chat.status_code == 503 and chat.headers["retry-after"] == "5"
         assert chat.json()["error"]["code"] == "model_loading"
-        preflight = httpx.options(live.url + "/v1/chat/completions",
-                                  headers={"Origin": "http://a.example", "Access-Control-Request-Method": "POST"})
+        preflight = httpx.options(
+            live.url + "/v1/chat/completions",
+            headers={"Origin": "http://a.example", "Access-Control-Request-Method": "POST"},
+        )
         assert "access-control-allow-origin" not in preflight.headers  # CORS is off without --allowed-origins
         release.set()
         thread.join(30)
@@ -90,7 +92,9 @@ def test_engine_death_mid_stream(server: LiveServer) -> None:
         lines: list[str] = []
 
         def read() -> None:
-            with httpx.stream("POST", live.url + "/v1/chat/completions", json={**CHAT, "stream": True}, timeout=30) as r:
+            with httpx.stream(
+                "POST", live.url + "/v1/chat/completions", json={**CHAT, "stream": True}, timeout=30
+            ) as r:
                 lines.extend(r.iter_lines())
 
         reader = threading.Thread(target=read)

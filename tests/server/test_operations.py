@@ -62,12 +62,14 @@ def _wait_running(server: LiveServer) -> dict[str, float]:
 
 def test_disconnect_mid_stream_frees_blocks(server: LiveServer) -> None:
     before = _baseline(server)
-    with httpx.Client(base_url=server.url, headers=auth(), timeout=60) as client:
-        with client.stream("POST", "/v1/chat/completions", json={**CHAT, **ENDLESS, "stream": True}) as response:
-            for line in response.iter_lines():
-                if '"content":"' in line and '"content":""' not in line:
-                    _wait_running(server)
-                    break  # tokens are flowing: hang up (leaving iter_lines early closes the connection)
+    with (
+        httpx.Client(base_url=server.url, headers=auth(), timeout=60) as client,
+        client.stream("POST", "/v1/chat/completions", json={**CHAT, **ENDLESS, "stream": True}) as response,
+    ):
+        for line in response.iter_lines():
+            if '"content":"' in line and '"content":""' not in line:
+                _wait_running(server)
+                break  # tokens are flowing: hang up (leaving iter_lines early closes the connection)
     after = wait_until_idle(server)
     assert after["vllm:num_requests_running"] == 0 and after["llmserve:kv_blocks_used"] == 0
     assert after["llmserve:client_disconnects_total"] == before["llmserve:client_disconnects_total"] + 1
@@ -94,8 +96,9 @@ def test_disconnect_mid_non_stream_frees_blocks(server: LiveServer) -> None:
 
 def _burst(server: LiveServer, count: int) -> list[httpx.Response]:
     async def main() -> list[httpx.Response]:
-        async with httpx.AsyncClient(base_url=server.url, headers=auth(), timeout=180,
-                                     limits=httpx.Limits(max_connections=count)) as client:
+        async with httpx.AsyncClient(
+            base_url=server.url, headers=auth(), timeout=180, limits=httpx.Limits(max_connections=count)
+        ) as client:
             body = {**CHAT, "max_tokens": 3}
             return await asyncio.gather(*(client.post("/v1/chat/completions", json=body) for _ in range(count)))
 
@@ -142,7 +145,11 @@ def test_auth(server: LiveServer) -> None:
 
 
 def test_cors_with_allowed_origins(server: LiveServer) -> None:
-    preflight = {"Origin": ORIGIN, "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization"}
+    preflight = {
+        "Origin": ORIGIN,
+        "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization",
+    }
     ok = httpx.options(server.url + "/v1/chat/completions", headers=preflight)
     assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == ORIGIN
     other = httpx.options(server.url + "/v1/chat/completions", headers={**preflight, "Origin": "http://evil.example"})
@@ -183,19 +190,30 @@ def test_chunked_upload_over_limit_is_413(server: LiveServer) -> None:
         for _ in range(40):
             yield b"x" * 10_000  # 400 kB without a Content-Length, over the 256 kB cap
 
-    r = httpx.post(server.url + "/v1/chat/completions", content=chunks(), headers={**auth(), "content-type": "application/json"})
+    r = httpx.post(
+        server.url + "/v1/chat/completions", content=chunks(), headers={**auth(), "content-type": "application/json"}
+    )
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
 
 
 def test_metrics_names_and_utility_routes(server: LiveServer, http: httpx.Client) -> None:
     http.post("/v1/chat/completions", json={**CHAT, "max_tokens": 2})
     text = http.get("/metrics").text
-    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-                 "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:prompt_tokens_total",
-                 "vllm:generation_tokens_total", "vllm:time_to_first_token_seconds_bucket",
-                 "vllm:inter_token_latency_seconds_bucket", "vllm:e2e_request_latency_seconds_bucket",
-                 "vllm:num_preemptions_total", 'vllm:request_success_total{finished_reason="length"',
-                 "llmserve:client_disconnects_total"):
+    for name in (
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:prefix_cache_queries_total",
+        "vllm:prefix_cache_hits_total",
+        "vllm:prompt_tokens_total",
+        "vllm:generation_tokens_total",
+        "vllm:time_to_first_token_seconds_bucket",
+        "vllm:inter_token_latency_seconds_bucket",
+        "vllm:e2e_request_latency_seconds_bucket",
+        "vllm:num_preemptions_total",
+        'vllm:request_success_total{finished_reason="length"',
+        "llmserve:client_disconnects_total",
+    ):
         assert name in text, name
     m = server.metrics()
     assert m["vllm:generation_tokens_total"] >= 2 and m["vllm:time_to_first_token_seconds_count"] >= 1
@@ -209,8 +227,9 @@ def test_metrics_names_and_utility_routes(server: LiveServer, http: httpx.Client
     assert API_KEY not in text
 
 
-def test_big_prompts_are_tokenized_off_the_event_loop(server: LiveServer, http: httpx.Client,
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_big_prompts_are_tokenized_off_the_event_loop(
+    server: LiveServer, http: httpx.Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A 2 MiB prompt takes seconds to tokenize: on the event loop it would stall every stream for that long."""
     tokenizer = server.app.state.engine.tokenizer
     original = tokenizer.apply_chat_template
@@ -222,8 +241,10 @@ def test_big_prompts_are_tokenized_off_the_event_loop(server: LiveServer, http: 
 
     monkeypatch.setattr(tokenizer, "apply_chat_template", spy)
     small = http.post("/v1/chat/completions", json={**CHAT, "max_tokens": 1})
-    big = http.post("/v1/chat/completions", json={**CHAT, "max_tokens": 1,
-                                                  "messages": [{"role": "user", "content": "word " * 8000}]})
+    big = http.post(
+        "/v1/chat/completions",
+        json={**CHAT, "max_tokens": 1, "messages": [{"role": "user", "content": "word " * 8000}]},
+    )
     assert small.status_code == 200
     assert big.status_code == 400 and big.json()["error"]["code"] == "context_length_exceeded"  # 8000 words > 2048
     assert not threads[0].startswith("llmserve-tokenizer")  # small: inline, exact admission accounting

@@ -18,8 +18,18 @@ def chat(**fields: object) -> ChatCompletionRequest:
 
 
 def test_openai_fields_map_to_sampling_params() -> None:
-    params = chat(temperature=0.7, top_p=0.9, max_tokens=5, seed=3, stop_token_ids=[7], logit_bias={"12": -100},
-                  frequency_penalty=0.5, top_k=40, logprobs=True, top_logprobs=2).to_sampling_params(10, 100)
+    params = chat(
+        temperature=0.7,
+        top_p=0.9,
+        max_tokens=5,
+        seed=3,
+        stop_token_ids=[7],
+        logit_bias={"12": -100},
+        frequency_penalty=0.5,
+        top_k=40,
+        logprobs=True,
+        top_logprobs=2,
+    ).to_sampling_params(10, 100)
     assert (params.temperature, params.top_p, params.max_tokens, params.seed, params.top_k) == (0.7, 0.9, 5, 3, 40)
     assert params.stop_token_ids == [7] and params.logit_bias == {12: -100.0} and params.frequency_penalty == 0.5
     assert params.logprobs == 2
@@ -52,14 +62,24 @@ def test_sampling_param_range_errors_are_400_with_the_param() -> None:
 
 
 def test_developer_role_and_text_parts_reach_the_template_as_strings() -> None:
-    request = chat(messages=[{"role": "developer", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
-                             {"role": "user", "content": "q", "name": "bob"}])
-    assert request.template_messages() == [{"role": "system", "content": "a\nb"}, {"role": "user", "content": "q", "name": "bob"}]
+    request = chat(
+        messages=[
+            {"role": "developer", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+            {"role": "user", "content": "q", "name": "bob"},
+        ]
+    )
+    assert request.template_messages() == [
+        {"role": "system", "content": "a\nb"},
+        {"role": "user", "content": "q", "name": "bob"},
+    ]
 
 
 def test_param_names_in_openai_style() -> None:
     assert _param_from_loc(("body", "messages", 0, "content", "str")) == "messages[0].content"
-    assert _param_from_loc(("body", "messages", 2, "content", "list[ContentPart]", 1, "type")) == "messages[2].content[1].type"
+    assert (
+        _param_from_loc(("body", "messages", 2, "content", "list[ContentPart]", 1, "type"))
+        == "messages[2].content[1].type"
+    )
     assert _param_from_loc(("body", "temperature")) == "temperature"
     assert _param_from_loc(("body",)) is None
 

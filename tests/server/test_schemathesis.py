@@ -21,8 +21,13 @@ from schemathesis.specs.openapi.checks import (
 
 from tests.server.harness import MODEL, LiveServer, auth, wait_until_idle
 
-CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_headers_conformance,
-          response_schema_conformance]
+CHECKS = [
+    not_a_server_error,
+    status_code_conformance,
+    content_type_conformance,
+    response_headers_conformance,
+    response_schema_conformance,
+]
 EXAMPLES = {GenerationMode.POSITIVE: 25, GenerationMode.NEGATIVE: 15}
 
 
@@ -46,16 +51,25 @@ def test_no_server_errors_and_schema_conformance(server: LiveServer) -> None:
     schema = schemathesis.openapi.from_dict(server.app.openapi())
     operations = [result.ok() for result in schema.get_all_operations()]
     assert {f"{op.method.upper()} {op.path}" for op in operations} >= {
-        "POST /v1/chat/completions", "POST /v1/completions", "GET /v1/models", "GET /health", "POST /tokenize",
+        "POST /v1/chat/completions",
+        "POST /v1/completions",
+        "GET /v1/models",
+        "GET /health",
+        "POST /tokenize",
     }
     for operation in operations:
         for mode, examples in EXAMPLES.items():
 
             @given(case=operation.as_strategy(generation_mode=mode))
-            @settings(max_examples=examples, deadline=None, database=None, suppress_health_check=list(HealthCheck),
-                      phases=[Phase.explicit, Phase.generate])  # no shrinking: report the failing case as drawn
+            @settings(
+                max_examples=examples,
+                deadline=None,
+                database=None,
+                suppress_health_check=list(HealthCheck),
+                phases=[Phase.explicit, Phase.generate],
+            )  # no shrinking: report the failing case as drawn
             def fuzz(case: Any) -> None:
-                _clamp(case.body, mode)
+                _clamp(case.body, mode)  # noqa: B023 - fuzz() runs below, in this iteration
                 case.call_and_validate(base_url=server.url, headers=auth(), timeout=30, checks=CHECKS)
 
             try:

@@ -29,9 +29,24 @@ def test_sigterm_drains_in_flight_streams_and_exits_0() -> None:
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "LLMSERVE_KV_CACHE_MEMORY": str(64 * 1024 * 1024)}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "server", "serve", "--port", str(port), "--max-model-len", "1024", "--shutdown-timeout", "120",
-         "--log-level", "warning"],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        [
+            sys.executable,
+            "-m",
+            "server",
+            "serve",
+            "--port",
+            str(port),
+            "--max-model-len",
+            "1024",
+            "--shutdown-timeout",
+            "120",
+            "--log-level",
+            "warning",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
     )
     try:
         deadline = time.monotonic() + 240
@@ -49,8 +64,13 @@ def test_sigterm_drains_in_flight_streams_and_exits_0() -> None:
         result: dict[str, object] = {}
 
         def stream() -> None:
-            body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 24,
-                    "ignore_eos": True, "stream": True}
+            body = {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "Tell me a story."}],
+                "max_tokens": 24,
+                "ignore_eos": True,
+                "stream": True,
+            }
             with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=120) as response:
                 lines = []
                 for line in response.iter_lines():
@@ -65,8 +85,11 @@ def test_sigterm_drains_in_flight_streams_and_exits_0() -> None:
         proc.send_signal(signal.SIGTERM)
         time.sleep(0.3)  # the signal is handled on the server's next tick
 
-        refused = httpx.post(url + "/v1/chat/completions", timeout=10,
-                             json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1})
+        refused = httpx.post(
+            url + "/v1/chat/completions",
+            timeout=10,
+            json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1},
+        )
         assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
         assert httpx.get(url + "/health", timeout=10).status_code == 503
 

@@ -44,7 +44,14 @@ def test_chat_stream_framing(http: httpx.Client) -> None:
     first_by_choice: dict[int, dict] = {}
     finishes: dict[int, list[str]] = {0: [], 1: []}
     for chunk in chunks:
-        assert set(chunk) == {"id", "object", "created", "model", "choices", "system_fingerprint"}  # no usage key unasked
+        assert set(chunk) == {
+            "id",
+            "object",
+            "created",
+            "model",
+            "choices",
+            "system_fingerprint",
+        }  # no usage key unasked
         assert chunk["object"] == "chat.completion.chunk" and chunk["model"] == MODEL
         assert chunk["id"] == chunks[0]["id"] and chunk["created"] == chunks[0]["created"]
         (choice,) = chunk["choices"]

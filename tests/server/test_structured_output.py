@@ -40,8 +40,11 @@ TIME_TOOL: dict[str, Any] = {
     "function": {
         "name": "get_time",
         "description": "Current time in a timezone",
-        "parameters": {"type": "object", "properties": {"timezone": {"type": "string", "maxLength": 30}},
-                       "required": ["timezone"]},
+        "parameters": {
+            "type": "object",
+            "properties": {"timezone": {"type": "string", "maxLength": 30}},
+            "required": ["timezone"],
+        },
     },
 }
 TOOLS = [WEATHER_TOOL, TIME_TOOL]
@@ -57,8 +60,11 @@ class City(BaseModel):
 
 def test_parse_with_a_pydantic_model(client: openai.OpenAI) -> None:
     completion = client.chat.completions.parse(
-        model=MODEL, messages=[{"role": "user", "content": "Describe Paris as JSON."}], response_format=City,
-        max_tokens=120, temperature=0,
+        model=MODEL,
+        messages=[{"role": "user", "content": "Describe Paris as JSON."}],
+        response_format=City,
+        max_tokens=120,
+        temperature=0,
     )
     choice = completion.choices[0]
     assert choice.finish_reason == "stop"
@@ -80,8 +86,15 @@ def test_json_schema_sampled_hot_validates(client: openai.OpenAI, stream: bool) 
         "additionalProperties": False,
     }
     response_format = {"type": "json_schema", "json_schema": {"name": "task", "schema": schema, "strict": True}}
-    kwargs: dict[str, Any] = dict(model=MODEL, messages=[{"role": "user", "content": "A task as JSON."}],
-                                  response_format=response_format, max_tokens=150, temperature=1.4, n=3, seed=7)
+    kwargs: dict[str, Any] = dict(
+        model=MODEL,
+        messages=[{"role": "user", "content": "A task as JSON."}],
+        response_format=response_format,
+        max_tokens=150,
+        temperature=1.4,
+        n=3,
+        seed=7,
+    )
     if stream:
         texts = ["", "", ""]
         finish: list[str | None] = [None] * 3
@@ -101,26 +114,52 @@ def test_json_schema_sampled_hot_validates(client: openai.OpenAI, stream: bool) 
 
 def test_json_object_mode_and_completions_route(client: openai.OpenAI) -> None:
     reply = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": 'Reply with a JSON object like {"greeting": "hello"}.'}],
-        response_format={"type": "json_object"}, max_tokens=100, temperature=0.8, n=4, seed=5)
+        model=MODEL,
+        messages=[{"role": "user", "content": 'Reply with a JSON object like {"greeting": "hello"}.'}],
+        response_format={"type": "json_object"},
+        max_tokens=100,
+        temperature=0.8,
+        n=4,
+        seed=5,
+    )
     finished = [c.message.content or "" for c in reply.choices if c.finish_reason == "stop"]
     assert finished, [c.message.content for c in reply.choices]
     assert all(isinstance(json.loads(text), dict) for text in finished)
-    completion = client.completions.create(model=MODEL, prompt="The answer is", max_tokens=8, temperature=1.0,
-                                           extra_body={"guided_regex": r"[0-9]{3}-[A-Z]{2}"})
+    completion = client.completions.create(
+        model=MODEL,
+        prompt="The answer is",
+        max_tokens=8,
+        temperature=1.0,
+        extra_body={"guided_regex": r"[0-9]{3}-[A-Z]{2}"},
+    )
     assert re.fullmatch(r"[0-9]{3}-[A-Z]{2}", completion.choices[0].text)
 
 
 def test_vllm_structured_outputs_choice_and_grammar(http: httpx.Client) -> None:
     choices = ["positive", "negative", "neutral"]
     for body in ({"structured_outputs": {"choice": choices}}, {"guided_choice": choices}):
-        r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "I love it!"}],
-                                                    "temperature": 1.0, "max_tokens": 10, **body})
+        r = http.post(
+            "/v1/chat/completions",
+            json={
+                "messages": [{"role": "user", "content": "I love it!"}],
+                "temperature": 1.0,
+                "max_tokens": 10,
+                **body,
+            },
+        )
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["message"]["content"] in choices
     grammar = 'root ::= "yes" | "no" | "maybe " [0-9]'
-    r = http.post("/v1/completions", json={"prompt": "Is it?", "max_tokens": 5, "temperature": 1.2, "seed": 3,
-                                           "structured_outputs": {"grammar": grammar}})
+    r = http.post(
+        "/v1/completions",
+        json={
+            "prompt": "Is it?",
+            "max_tokens": 5,
+            "temperature": 1.2,
+            "seed": 3,
+            "structured_outputs": {"grammar": grammar},
+        },
+    )
     assert r.status_code == 200, r.text
     assert re.fullmatch(r"yes|no|maybe [0-9]", r.json()["choices"][0]["text"])
 
@@ -145,14 +184,21 @@ def _check_calls(calls: list[Any], allowed: set[str]) -> None:
 
 @pytest.mark.parametrize("temperature", [0.0, 1.3])
 def test_tool_choice_required_and_named(client: openai.OpenAI, temperature: float) -> None:
-    reply = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required",
-                                           max_tokens=120, temperature=temperature, seed=1)
+    reply = client.chat.completions.create(
+        model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=120, temperature=temperature, seed=1
+    )
     choice = reply.choices[0]
     assert choice.finish_reason == "tool_calls"
     _check_calls(choice.message.tool_calls or [], {"get_weather", "get_time"})
-    named = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=120,
-                                           tool_choice={"type": "function", "function": {"name": "get_time"}},
-                                           temperature=temperature, seed=2)
+    named = client.chat.completions.create(
+        model=MODEL,
+        messages=ASK,
+        tools=TOOLS,
+        max_tokens=120,
+        tool_choice={"type": "function", "function": {"name": "get_time"}},
+        temperature=temperature,
+        seed=2,
+    )
     choice = named.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     assert len(choice.message.tool_calls or []) == 1
@@ -160,8 +206,9 @@ def test_tool_choice_required_and_named(client: openai.OpenAI, temperature: floa
 
 
 def test_streamed_tool_call_deltas_reassemble(client: openai.OpenAI) -> None:
-    kwargs: dict[str, Any] = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=120,
-                                  temperature=0)
+    kwargs: dict[str, Any] = dict(
+        model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=120, temperature=0
+    )
     whole = client.chat.completions.create(**kwargs).choices[0].message.tool_calls or []
     pieces: dict[int, dict[str, Any]] = {}
     finish = None
@@ -180,19 +227,30 @@ def test_streamed_tool_call_deltas_reassemble(client: openai.OpenAI) -> None:
                     pieces[d.index]["arguments"] += (d.function.arguments or "") if d.function else ""
         final = stream.get_final_completion().choices[0].message.tool_calls or []
     assert finish == "tool_calls"
-    assert [(p["name"], p["arguments"]) for p in pieces.values()] == [(c.function.name, c.function.arguments) for c in whole]
+    assert [(p["name"], p["arguments"]) for p in pieces.values()] == [
+        (c.function.name, c.function.arguments) for c in whole
+    ]
     assert [(c.id, c.function.arguments) for c in final] == [(p["id"], p["arguments"]) for p in pieces.values()]
 
 
 def test_tool_loop_call_result_answer(client: openai.OpenAI) -> None:
     messages: list[Any] = list(ASK)
-    first = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, tool_choice="required",
-                                           parallel_tool_calls=False, max_tokens=120, temperature=0)
+    first = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        tools=TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=120,
+        temperature=0,
+    )
     message = first.choices[0].message
     assert len(message.tool_calls or []) == 1
     messages.append(message.model_dump(exclude_none=True))
     call = (message.tool_calls or [])[0]
-    messages.append({"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature_c": 18, "sky": "clear"})})
+    messages.append(
+        {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature_c": 18, "sky": "clear"})}
+    )
     answer = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, max_tokens=40, temperature=0)
     choice = answer.choices[0]
     # auto: the model chooses; either way no half-formed call shows up as text
@@ -209,14 +267,30 @@ def test_tool_choice_auto_call_is_constrained(client: openai.OpenAI, default_tok
     response_word = default_tokenizer.encode("<tool_response>", add_special_tokens=False)[3]
     history: list[Any] = [
         *ASK,
-        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
-            "name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'},
+                }
+            ],
+        },
         {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 18}'},
         {"role": "assistant", "content": "It is 18 degrees in Paris."},
         {"role": "user", "content": "What is the weather in Rome right now?"},
     ]
-    reply = client.chat.completions.create(model=MODEL, messages=history, tools=TOOLS, tool_choice="auto",
-                                           max_tokens=120, temperature=0, logit_bias={str(response_word): -100})
+    reply = client.chat.completions.create(
+        model=MODEL,
+        messages=history,
+        tools=TOOLS,
+        tool_choice="auto",
+        max_tokens=120,
+        temperature=0,
+        logit_bias={str(response_word): -100},
+    )
     choice = reply.choices[0]
     assert choice.finish_reason == "tool_calls", choice
     _check_calls(choice.message.tool_calls or [], {"get_weather", "get_time"})
@@ -229,24 +303,53 @@ def _error(http: httpx.Client, path: str, body: dict[str, Any]) -> dict[str, Any
     return r.json()["error"]
 
 
-@pytest.mark.parametrize(("body", "param"), [
-    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema.schema"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "not": {}}}}},
-     "response_format.json_schema.schema"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
-     "response_format.json_schema.schema"),
-    ({"response_format": {"type": "xml"}}, "response_format.type"),
-    ({"guided_regex": "([a-z"}, "guided_regex"),
-    ({"guided_json": "{not json"}, "guided_json"),
-    ({"guided_regex": "a+", "guided_choice": ["a"]}, "guided_choice"),
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
-    ({"tool_choice": "required"}, "tool_choice"),
-    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools[0].function.name"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]},
-     "tools[0].function.parameters"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
-        "a": {"type": "array", "uniqueItems": True}}}}}]}, "tools[0].function.parameters"),
-])
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"response_format": {"type": "json_schema"}}, "response_format.json_schema.schema"),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "object", "not": {}}},
+                }
+            },
+            "response_format.json_schema.schema",
+        ),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+            "response_format.json_schema.schema",
+        ),
+        ({"response_format": {"type": "xml"}}, "response_format.type"),
+        ({"guided_regex": "([a-z"}, "guided_regex"),
+        ({"guided_json": "{not json"}, "guided_json"),
+        ({"guided_regex": "a+", "guided_choice": ["a"]}, "guided_choice"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools[0].function.name"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]},
+            "tools[0].function.parameters",
+        ),
+        (
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {
+                            "name": "f",
+                            "parameters": {
+                                "type": "object",
+                                "properties": {"a": {"type": "array", "uniqueItems": True}},
+                            },
+                        },
+                    }
+                ]
+            },
+            "tools[0].function.parameters",
+        ),
+    ],
+)
 def test_bad_constraints_are_400_naming_the_param(http: httpx.Client, body: dict[str, Any], param: str) -> None:
     error = _error(http, "/v1/chat/completions", {"messages": ASK, **body})
     assert error["param"] == param, error
@@ -258,9 +361,15 @@ def test_unsupported_keyword_is_named(http: httpx.Client) -> None:
     error = _error(http, "/v1/chat/completions", {"messages": ASK, "guided_json": schema})
     assert "multipleOf" in error["message"] and error["param"] == "guided_json"
     # a property merely *named* like a keyword is fine
-    ok = http.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 30, "temperature": 0,
-                                                 "guided_json": {"type": "object", "properties": {"not": {"type": "integer"}},
-                                                                 "required": ["not"]}})
+    ok = http.post(
+        "/v1/chat/completions",
+        json={
+            "messages": ASK,
+            "max_tokens": 30,
+            "temperature": 0,
+            "guided_json": {"type": "object", "properties": {"not": {"type": "integer"}}, "required": ["not"]},
+        },
+    )
     assert ok.status_code == 200, ok.text
 
 
@@ -268,8 +377,9 @@ def test_grammar_cache_metrics(server: LiveServer, client: openai.OpenAI) -> Non
     schema = {"type": "object", "properties": {"metric_probe": {"type": "integer"}}, "required": ["metric_probe"]}
     before = server.metrics()
     for _ in range(2):
-        client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=20, temperature=0,
-                                       extra_body={"guided_json": schema})
+        client.chat.completions.create(
+            model=MODEL, messages=ASK, max_tokens=20, temperature=0, extra_body={"guided_json": schema}
+        )
     after = server.metrics()
     assert after["llmserve:grammar_cache_misses_total"] == before.get("llmserve:grammar_cache_misses_total", 0) + 1
     assert after["llmserve:grammar_cache_hits_total"] >= before.get("llmserve:grammar_cache_hits_total", 0) + 1
@@ -277,11 +387,19 @@ def test_grammar_cache_metrics(server: LiveServer, client: openai.OpenAI) -> Non
 
 @settings(max_examples=5, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 @given(schema=schemas, seed=st.integers(0, 2**31), temperature=st.floats(1.0, 1.5), stream=st.booleans())
-def test_generated_schemas_over_http(client: openai.OpenAI, schema: dict[str, Any], seed: int, temperature: float,
-                                     stream: bool) -> None:
+def test_generated_schemas_over_http(
+    client: openai.OpenAI, schema: dict[str, Any], seed: int, temperature: float, stream: bool
+) -> None:
     response_format = {"type": "json_schema", "json_schema": {"name": "generated", "schema": schema}}
-    kwargs: dict[str, Any] = dict(model=MODEL, messages=[{"role": "user", "content": "Reply in JSON."}], n=2,
-                                  response_format=response_format, max_tokens=96, temperature=temperature, seed=seed)
+    kwargs: dict[str, Any] = dict(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Reply in JSON."}],
+        n=2,
+        response_format=response_format,
+        max_tokens=96,
+        temperature=temperature,
+        seed=seed,
+    )
     texts, finish = ["", ""], [None, None]
     if stream:
         for chunk in client.chat.completions.create(stream=True, **kwargs):
@@ -305,9 +423,16 @@ class GetWeather(BaseModel):
 
 def test_parse_with_a_pydantic_function_tool(client: openai.OpenAI) -> None:
     """The SDK's strict function tools: parsed_arguments come back as the model class."""
-    completion = client.chat.completions.parse(model=MODEL, messages=ASK, tools=[openai.pydantic_function_tool(GetWeather)],
-                                               tool_choice="required", parallel_tool_calls=False, max_tokens=80,
-                                               temperature=0.7, seed=3)
+    completion = client.chat.completions.parse(
+        model=MODEL,
+        messages=ASK,
+        tools=[openai.pydantic_function_tool(GetWeather)],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=80,
+        temperature=0.7,
+        seed=3,
+    )
     calls = completion.choices[0].message.tool_calls or []
     assert calls and completion.choices[0].finish_reason == "tool_calls"
     assert all(isinstance(call.function.parsed_arguments, GetWeather) for call in calls)

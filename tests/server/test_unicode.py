@@ -10,7 +10,13 @@ import pytest
 
 from tests.server.harness import MODEL
 
-PROMPTS = ["日本の首都は東京です。東京は", "中文：我喜欢", "🎉🎉 Party time! 🎉", "Le café était très", "Ça coûte 5 €, très cher. Voilà"]
+PROMPTS = [
+    "日本の首都は東京です。東京は",
+    "中文：我喜欢",
+    "🎉🎉 Party time! 🎉",
+    "Le café était très",
+    "Ça coûte 5 €, très cher. Voilà",
+]
 
 
 def streamed_texts(http: httpx.Client, path: str, body: dict) -> list[str]:
@@ -49,8 +55,14 @@ def test_model_writes_non_ascii_and_no_chunk_breaks_it(http: httpx.Client) -> No
 
 
 def test_chat_answer_with_accents(http: httpx.Client) -> None:
-    body = {"model": MODEL, "temperature": 0, "max_tokens": 32,
-            "messages": [{"role": "user", "content": "Translate into French: The coffee is very good and the café is near."}]}
+    body = {
+        "model": MODEL,
+        "temperature": 0,
+        "max_tokens": 32,
+        "messages": [
+            {"role": "user", "content": "Translate into French: The coffee is very good and the café is near."}
+        ],
+    }
     pieces = streamed_texts(http, "/v1/chat/completions", body)
     assert all("\ufffd" not in p for p in pieces), pieces
     assert any(ord(ch) > 127 for ch in "".join(pieces)), "".join(pieces)

@@ -13,8 +13,14 @@ from server.app import create_app
 from server.webui import STATIC_DIR
 from tests.server.harness import LiveServer
 
-PAGE_FILES = ["/", "/static/app.css", "/static/js/main.js", "/static/vendor/marked/marked.esm.js",
-              "/static/vendor/dompurify/purify.es.mjs", "/static/vendor/highlight/highlight.min.js"]
+PAGE_FILES = [
+    "/",
+    "/static/app.css",
+    "/static/js/main.js",
+    "/static/vendor/marked/marked.esm.js",
+    "/static/vendor/dompurify/purify.es.mjs",
+    "/static/vendor/highlight/highlight.min.js",
+]
 
 
 def test_page_loads_without_the_key_and_the_api_still_needs_it(server: LiveServer) -> None:
