@@ -58,6 +58,19 @@ class City(BaseModel):
     population: int = Field(ge=0, le=50_000_000)  # bounded: a 135M model may otherwise repeat digits forever
 
 
+def answers(client: openai.OpenAI, kwargs: dict[str, Any], stream: bool) -> tuple[list[str], list[str | None]]:
+    """Each choice's text and finish reason, from chunks reassembled or from the whole answer."""
+    if not stream:
+        reply = client.chat.completions.create(**kwargs)
+        return [c.message.content or "" for c in reply.choices], [c.finish_reason for c in reply.choices]
+    texts, finish = [""] * kwargs["n"], [None] * kwargs["n"]
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+            finish[c.index] = c.finish_reason or finish[c.index]
+    return texts, finish
+
+
 def test_parse_with_a_pydantic_model(client: openai.OpenAI) -> None:
     completion = client.chat.completions.parse(
         model=MODEL,
@@ -95,17 +108,7 @@ def test_json_schema_sampled_hot_validates(client: openai.OpenAI, stream: bool) 
         n=3,
         seed=7,
     )
-    if stream:
-        texts = ["", "", ""]
-        finish: list[str | None] = [None] * 3
-        for chunk in client.chat.completions.create(stream=True, **kwargs):
-            for c in chunk.choices:
-                texts[c.index] += c.delta.content or ""
-                finish[c.index] = c.finish_reason or finish[c.index]
-    else:
-        reply = client.chat.completions.create(**kwargs)
-        texts = [c.message.content or "" for c in reply.choices]
-        finish = [c.finish_reason for c in reply.choices]
+    texts, finish = answers(client, kwargs, stream)
     finished = [t for t, f in zip(texts, finish, strict=True) if f == "stop"]
     assert finished, f"no choice finished within max_tokens: {texts}"
     for text in finished:
@@ -400,16 +403,7 @@ def test_generated_schemas_over_http(
         temperature=temperature,
         seed=seed,
     )
-    texts, finish = ["", ""], [None, None]
-    if stream:
-        for chunk in client.chat.completions.create(stream=True, **kwargs):
-            for c in chunk.choices:
-                texts[c.index] += c.delta.content or ""
-                finish[c.index] = c.finish_reason or finish[c.index]
-    else:
-        reply = client.chat.completions.create(**kwargs)
-        texts = [c.message.content or "" for c in reply.choices]
-        finish = [c.finish_reason for c in reply.choices]
+    texts, finish = answers(client, kwargs, stream)
     assert "stop" in finish, texts
     for text, reason in zip(texts, finish, strict=True):
         if reason == "stop":
