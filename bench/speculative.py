@@ -1,12 +1,12 @@
 """Speculative decoding by prompt lookup (issue 16): an input-grounded workload beside a chat workload, with and
 without speculation, in one process on engines built once and kept.
 
-    .venv/bin/python bench/speculative.py                      # ~8 min on a busy 2-core machine
-    .venv/bin/python bench/speculative.py --quick              # 2 requests in turn, 8 at once, threshold at 4: ~4 min
-    OMP_WAIT_POLICY=PASSIVE .venv/bin/python bench/speculative.py -- --num-threads 1
+    OMP_WAIT_POLICY=PASSIVE .venv/bin/python bench/speculative.py          # ~7 min on a busy 2-core machine
+    OMP_WAIT_POLICY=PASSIVE .venv/bin/python bench/speculative.py --quick  # 2 in turn, 8 at once, level 4: ~2.5 min
+    .venv/bin/python bench/speculative.py --all-k -- --num-threads 1       # flags after `--`: Settings
 
 Workloads (chat-templated user turns, EOS honoured, at most --max-tokens generated):
-  grounded   16 distinct requests to return an edited copy of a given ~130-170-token text (167-203 prompt tokens): 2 paragraphs x 4
+  grounded   16 distinct requests to return an edited copy of a given ~130-170-token text: 2 paragraphs x 4
              instructions (fix a typo, proofread, make it formal, repeat it with a word replaced) and 2 Python pieces
              x 4 instructions (type hints, docstrings, fix a bug, rename a variable); where prompt lookup pays.
              Greedy, and temperature 0.7 (seed = request).
@@ -18,19 +18,21 @@ Engines (one model load each, kept for the run): speculation off; prompt lookup 
 sequences run). prompt_lookup_max 4, prompt_lookup_min 1. Prefix caching is off (rounds repeat the prompts; a hit in
 round 2 is not what distinct requests get) and the KV cache is 320 MiB; flags after `--` (Settings) override both.
 
-Loads: every engine of a load runs it at the same time, one engine step each in turn (the turn order reversed every
-cycle and every round), and each engine's time is the time inside its own steps: a change in the machine's load,
-which on a shared 2-core machine moves a whole run by 30 % and more, hits all of them alike. --rounds (2), medians.
-  1 stream    the first --sequential (4) requests one after another: grounded greedy, grounded T=0.7, chat
+Loads: every engine of a load runs it at the same time, in lockstep by generated tokens (the next step goes to the
+engine with the fewest tokens so far), and each engine's time is the time inside its own steps: all pass through
+the load together, so a change in the machine's load (on a shared 2-core machine it moves a run by 30 % and more)
+hits them alike. --rounds (2; engine order reversed in the even ones), medians.
+  1 stream    the first --sequential (4) requests one after another: grounded greedy, grounded T=0.7 (off and k=4;
+              --all-k for all), chat
   N streams   --streams (16) requests at once, grounded greedy and chat: off, k=4 at max_batch_size 64 and at 4
-              (--all-k: k=2 and 6 too, also in grounded T=0.7)
-  threshold   n requests at once for n in --levels (2 4 8): off against k=4 forced on (max_batch_size 64); the 1- and
-              N-stream rows come from the tables above. The threshold is the largest n up to which every level
-              paid (>= 1.0x) for both workloads.
-Columns: output tok/s = generated tokens / the engine's time from its first add to its last token; decode tok/s
-leaves out the time until every request of a batch had its first token; acceptance = accepted / proposed tokens;
-accepted/draft = accepted tokens per verification (a sequence's step with proposals); steps = engine steps of the
-load; "= off": requests whose tokens equal the off engine's (speculation is exact; batched float sums may differ).
+              (--all-k: k=2 and 6 too)
+  threshold   the first max(--levels) (8) requests, n at a time (the next added when one finishes), for n in
+              --levels (2 4 8): off against k=4 forced on (max_batch_size 64); rows 1 and N come from the tables
+              above. The threshold is the largest n up to which every level paid (>= 1.0x) for both workloads.
+Columns: output tok/s = generated tokens / the engine's time in the load; decode tok/s = tokens of the steps in which
+no request was still in its prompt / their time; acceptance = accepted / proposed tokens; accepted/draft = accepted
+tokens per verification (a sequence's step with proposals); steps = engine steps in the load; "= off": requests
+whose tokens equal the off engine's (speculation is exact; batched float sums could still differ).
 
 On a shared machine compare rows of one run and note the load average printed at the start and the end."""
 
@@ -40,7 +42,7 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -48,31 +50,37 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import torch  # noqa: E402
+from engine_throughput import LevelResult  # noqa: E402  (output tok/s, decode tok/s as the other engine benchmarks)
 
 from config.settings import load_settings  # noqa: E402
-from engine_throughput import LevelResult  # noqa: E402  (output tok/s, decode tok/s as the other engine benchmarks)
 from model.engine.engine import Engine  # noqa: E402
 from model.sampling_params import SamplingParams  # noqa: E402
 from model.tokenizer import Tokenizer  # noqa: E402
 
 # ---- workloads ---------------------------------------------------------------------------------------------------
 TEXTS = [
-    ("The old lighthouse stood on the rocky point for more than a hundred years. Every evening the keeper climbed the "
-    "spiral stairs, lit the great lamp and wound the clockwork that turned the lens. Ships passing the reef at night "
-    "looked for its beam, and fishermen said they could set their watches by it. In the winter storms the keeper "
-    "stayed awake until dawn, wiping salt from the windows and writing the weather in a thick leather book. When he "
-    "retired, the town voted to keep the light burning, and volunteers now take turns climbing the stairs each dusk. "
-    "The leather books are kept in the library, where children read them to learn how the sea has changed."),
-    ("Our team meeting on Tuesday covered three topics. First, the new billing service will move to the shared "
-    "database next month, so every query that joins the invoices table must be reviewed before the migration. "
-    "Second, the support rota changes: from the first of the month each engineer takes one week on call in turn, and "
-    "the person on call answers pages within fifteen minutes. Third, the office will be closed on Friday for the "
-    "network upgrade, so please work from home that day and check that your laptop connects to the virtual private "
-    "network before Thursday evening. Questions about any of these can go to the team channel."),
+    (
+        "The old lighthouse stood on the rocky point for more than a hundred years. Every evening the keeper "
+        "climbed the spiral stairs, lit the great lamp and wound the clockwork that turned the lens. Ships "
+        "passing the reef at night looked for its beam, and fishermen said they could set their watches by "
+        "it. In the winter storms the keeper stayed awake until dawn, wiping salt from the windows and "
+        "writing the weather in a thick leather book. When he retired, the town voted to keep the light "
+        "burning, and volunteers now take turns climbing the stairs each dusk. The leather books are kept in "
+        "the library, where children read them to learn how the sea has changed."
+    ),
+    (
+        "Our team meeting on Tuesday covered three topics. First, the new billing service will move to the "
+        "shared database next month, so every query that joins the invoices table must be reviewed before the "
+        "migration. Second, the support rota changes: from the first of the month each engineer takes one "
+        "week on call in turn, and the person on call answers pages within fifteen minutes. Third, the office "
+        "will be closed on Friday for the network upgrade, so please work from home that day and check that "
+        "your laptop connects to the virtual private network before Thursday evening. Questions about any of "
+        "these can go to the team channel."
+    ),
 ]
 TYPOS = [("climbed", "climbd"), ("billing", "biling")]  # one misspelling per paragraph, for the fix-it tasks
 CODES = [
-    '''def parse_config(path):
+    """def parse_config(path):
     result = {}
     with open(path) as handle:
         for line in handle:
@@ -92,8 +100,8 @@ def merge_configs(base, override):
         else:
             merged[key] = value
     return merged
-''',
-    '''class Inventory:
+""",
+    """class Inventory:
     def __init__(self):
         self.items = {}
 
@@ -112,7 +120,7 @@ def merge_configs(base, override):
 
     def total(self):
         return sum(self.items.values())
-''',
+""",
 ]
 TEXT_TASKS = [
     lambda t, typo: "Fix the typo in this paragraph and return the corrected paragraph.\n\n" + t.replace(*typo, 1),
@@ -123,16 +131,30 @@ TEXT_TASKS = [
 CODE_TASKS = [
     lambda c: f"Rewrite this code with type hints.\n\n```python\n{c}```",
     lambda c: f"Add a docstring to every function in this code and return the whole code.\n\n```python\n{c}```",
-    lambda c: "Fix the bug in this Python code and return the corrected code.\n\n```python\n"
-              + c.replace("return", "retrun", 1) + "```",
+    lambda c: (
+        "Fix the bug in this Python code and return the corrected code.\n\n```python\n"
+        + c.replace("return", "retrun", 1)
+        + "```"
+    ),
     lambda c: f"Rename the variable `key` to `name` in this code.\n\n```python\n{c}```",
 ]
 QUESTIONS = [
-    "Tell me about volcanoes.", "Why is the sky blue?", "What should I see on a first trip to Japan?",
-    "How do bees make honey?", "Explain how a bicycle stays upright.", "What is the history of chess?",
-    "Give me some tips for learning to cook.", "How do airplanes fly?", "What causes the seasons on Earth?",
-    "Tell me about the Roman Empire.", "How does a refrigerator work?", "What are black holes?",
-    "Why do cats purr?", "How can I sleep better?", "What is photosynthesis?", "Tell me about the deep ocean.",
+    "Tell me about volcanoes.",
+    "Why is the sky blue?",
+    "What should I see on a first trip to Japan?",
+    "How do bees make honey?",
+    "Explain how a bicycle stays upright.",
+    "What is the history of chess?",
+    "Give me some tips for learning to cook.",
+    "How do airplanes fly?",
+    "What causes the seasons on Earth?",
+    "Tell me about the Roman Empire.",
+    "How does a refrigerator work?",
+    "What are black holes?",
+    "Why do cats purr?",
+    "How can I sleep better?",
+    "What is photosynthesis?",
+    "Tell me about the deep ocean.",
 ]
 
 
@@ -148,7 +170,9 @@ def grounded_prompts(tokenizer: Tokenizer, n: int) -> list[list[int]]:
 
 
 def chat_prompts(tokenizer: Tokenizer, n: int) -> list[list[int]]:
-    return [tokenizer.apply_chat_template([{"role": "user", "content": QUESTIONS[j % len(QUESTIONS)]}]) for j in range(n)]
+    return [
+        tokenizer.apply_chat_template([{"role": "user", "content": QUESTIONS[j % len(QUESTIONS)]}]) for j in range(n)
+    ]
 
 
 # ---- runs --------------------------------------------------------------------------------------------------------
@@ -162,65 +186,77 @@ class Run:
 
 
 class Driver:
-    """One engine's share of a load: its requests, all at once (concurrent) or one after another, stepped one
-    engine step at a time so that the engines of a load can take turns; only this engine's own step time counts."""
+    """One engine's share of a load: its requests with at most `concurrency` in flight (the next one added when one
+    finishes), advanced one engine step per call so that the engines of a load can take turns. Only the time inside
+    this driver's own calls counts: add_request, the intake and Engine.step."""
 
-    def __init__(self, engine: Engine, tag: str, prompts: list[list[int]], params: list[SamplingParams],
-                 concurrent: bool) -> None:
+    def __init__(
+        self, engine: Engine, tag: str, prompts: list[list[int]], params: list[SamplingParams], concurrency: int
+    ) -> None:
         self.engine, self.tag, self.prompts, self.params = engine, tag, prompts, params
-        self.batches = [list(range(len(prompts)))] if concurrent else [[i] for i in range(len(prompts))]
-        self.concurrency = len(self.batches[0])
+        self.concurrency = concurrency
+        self.queue = list(range(len(prompts)))
+        self.in_flight: set[int] = set()
+        self.has_token: set[int] = set()
         self.tokens: list[list[int]] = [[] for _ in prompts]
+        self.generated = self.turns = 0
         self.before = engine.stats()
-        self.busy = 0.0  # seconds inside this driver's step(): add_request, intake and Engine.step
-        self.prefill = 0.0  # busy seconds until every request of a batch had a token, summed over batches
+        self.busy = self.decode_seconds = 0.0
         self.decode_tokens = self.decode_steps = self.batch_sum = 0
-        self.batch: list[int] = []
-        self.seen: set[int] = set()
-        self.batch_started = 0.0
 
     @property
     def done(self) -> bool:
-        return not self.batches and not self.batch
+        return not self.queue and not self.in_flight
 
     def step(self) -> None:
         started = time.perf_counter()
         engine = self.engine
-        if not self.batch:  # the next request(s)
-            self.batch, self.seen, self.batch_started = self.batches.pop(0), set(), self.busy
-            for i in self.batch:
+        if len(self.in_flight) < self.concurrency and self.queue:
+            while len(self.in_flight) < self.concurrency and self.queue:
+                i = self.queue.pop(0)
                 engine.add_request(f"{self.tag}-{i}", self.prompts[i], self.params[i])
+                self.in_flight.add(i)
             engine._drain_inbox(False)  # the step loop's own intake, without its worker thread
-        in_decode = len(self.seen) == len(self.batch)
+        pure_decode = self.in_flight <= self.has_token  # no request of this step is still in its prompt
         outs = engine.step()
         new = 0
         for o in outs:
             i = int(o.request_id.rsplit("-", 1)[1])
             self.tokens[i].extend(o.new_token_ids)
             new += len(o.new_token_ids)
-            self.seen.add(i)
-        if in_decode:
-            self.decode_steps += 1
+            self.has_token.add(i)
+            if o.finish_reason is not None:
+                self.in_flight.discard(i)
+        seconds = time.perf_counter() - started
+        self.busy += seconds
+        self.generated += new
+        self.turns += 1
+        if pure_decode:
+            self.decode_seconds += seconds
             self.decode_tokens += new
+            self.decode_steps += 1
             self.batch_sum += len(outs)
-        self.busy += time.perf_counter() - started
-        if not in_decode and len(self.seen) == len(self.batch):
-            self.prefill += self.busy - self.batch_started
-        if not engine.scheduler.has_work():
-            self.batch = []
 
-    def run(self) -> "Run":
+    def run(self) -> Run:
         after = self.engine.stats()
         result = LevelResult(
             concurrency=self.concurrency,
-            prompt_tokens=sum(map(len, self.prompts)) // len(self.prompts), output_tokens=sum(map(len, self.tokens)),
-            seconds=self.busy, prefill_seconds=self.prefill, decode_tokens=self.decode_tokens,
-            steps=after.num_steps - self.before.num_steps, decode_steps=self.decode_steps,
+            prompt_tokens=sum(map(len, self.prompts)) // len(self.prompts),
+            output_tokens=self.generated,
+            seconds=self.busy,
+            prefill_seconds=self.busy - self.decode_seconds,
+            decode_tokens=self.decode_tokens,
+            steps=after.num_steps - self.before.num_steps,
+            decode_steps=self.decode_steps,
             mean_batch=self.batch_sum / max(self.decode_steps, 1),
         )
-        return Run(result, self.tokens, after.spec_drafts - self.before.spec_drafts,
-                   after.spec_draft_tokens - self.before.spec_draft_tokens,
-                   after.spec_accepted_tokens - self.before.spec_accepted_tokens)
+        return Run(
+            result,
+            self.tokens,
+            after.spec_drafts - self.before.spec_drafts,
+            after.spec_draft_tokens - self.before.spec_draft_tokens,
+            after.spec_accepted_tokens - self.before.spec_accepted_tokens,
+        )
 
 
 @dataclass(slots=True)
@@ -228,32 +264,35 @@ class Load:
     name: str  # table row label
     prompts: list[list[int]]
     params: list[SamplingParams]
-    concurrent: bool
+    concurrency: int
     engines: list[str]
-    runs: dict[str, list[Run]]
+    runs: dict[str, list[Run]] = field(default_factory=dict)
 
 
 def run_rounds(engines: dict[str, Engine], load: Load, rounds: int) -> None:
-    """Every engine of the load runs it at the same time, one engine step each in turn (the turn order reversed
-    every cycle and every round), so a change in the machine's load hits them alike."""
+    """Every engine of the load runs it at the same time, in lockstep by generated tokens: the next step goes to the
+    engine that has generated the fewest so far (ties: the fewest steps, then the round's order, reversed every
+    round). All of them pass through the load together and finish together, so a change in the machine's load hits
+    them alike."""
     for r in range(rounds):
         names = load.engines if r % 2 == 0 else load.engines[::-1]
-        drivers = {name: Driver(engines[name], f"{load.name}-{name}-r{r}", load.prompts, load.params, load.concurrent)
-                   for name in names}
+        drivers = [
+            Driver(engines[name], f"{load.name}-{name}-r{r}", load.prompts, load.params, load.concurrency)
+            for name in names
+        ]
         wall = time.perf_counter()
-        cycle = 0
-        while any(not d.done for d in drivers.values()):
-            for name in names if cycle % 2 == 0 else names[::-1]:
-                if not drivers[name].done:
-                    drivers[name].step()
-            cycle += 1
+        while active := [d for d in drivers if not d.done]:
+            min(active, key=lambda d: (d.generated, d.turns, drivers.index(d))).step()
         wall = time.perf_counter() - wall
-        for name in names:
-            run = drivers[name].run()
-            load.runs.setdefault(name, []).append(run)
-        print(f"  {load.name}, {len(load.prompts)} {'at once' if load.concurrent else 'in turn'}, round {r + 1} "
-              f"({wall:.0f} s): " + ", ".join(f"{n} {load.runs[n][-1].result.output_tps:.1f}" for n in names)
-              + " tok/s", file=sys.stderr, flush=True)
+        for name, driver in zip(names, drivers, strict=True):
+            load.runs.setdefault(name, []).append(driver.run())
+        print(
+            f"  {load.name}, {len(load.prompts)} requests, {load.concurrency} at a time, round {r + 1} ({wall:.0f} s): "
+            + ", ".join(f"{n} {load.runs[n][-1].result.output_tps:.1f}" for n in names)
+            + " tok/s",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def tps(runs: list[Run]) -> float:
@@ -269,8 +308,10 @@ def acceptance(runs: list[Run]) -> tuple[str, str]:
 
 def print_table(title: str, loads: list[Load], labels: dict[str, str]) -> None:
     print(f"\n## {title}\n")
-    print("| workload | engine | tokens/req | output tok/s | vs off | decode tok/s | acceptance | accepted/draft | "
-          "steps | tokens/step | = off |")
+    print(
+        "| workload | engine | tokens/req | output tok/s | vs off | decode tok/s | acceptance | accepted/draft | "
+        "steps | tokens/step | = off |"
+    )
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for load in loads:
         base = load.runs["off"]
@@ -281,15 +322,24 @@ def print_table(title: str, loads: list[Load], labels: dict[str, str]) -> None:
             same = sum(a == b for a, b in zip(runs[0].tokens, base[0].tokens, strict=True))
             acc, per = acceptance(runs)
             dec = statistics.median(r.result.decode_tps for r in runs)
-            print(f"| {load.name} | {labels[name]} | {res.output_tokens / n:.0f} | {tps(runs):.1f} | "
-                  f"{tps(runs) / tps(base):.2f}x | {dec:.1f} | {acc} | {per} | {res.steps} | "
-                  f"{res.output_tokens / res.steps:.2f} | {same}/{n} |")
+            print(
+                f"| {load.name} | {labels[name]} | {res.output_tokens / n:.0f} | {tps(runs):.1f} | "
+                f"{tps(runs) / tps(base):.2f}x | {dec:.1f} | {acc} | {per} | {res.steps} | "
+                f"{res.output_tokens / res.steps:.2f} | {same}/{n} |"
+            )
 
 
 # ---- main --------------------------------------------------------------------------------------------------------
 def spec_json(k: int, max_batch_size: int) -> str:
-    return json.dumps({"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4, "prompt_lookup_min": 1,
-                       "max_batch_size": max_batch_size})
+    return json.dumps(
+        {
+            "method": "ngram",
+            "num_speculative_tokens": k,
+            "prompt_lookup_max": 4,
+            "prompt_lookup_min": 1,
+            "max_batch_size": max_batch_size,
+        }
+    )
 
 
 def main() -> None:
@@ -297,15 +347,28 @@ def main() -> None:
     server_flags = argv[argv.index("--") + 1 :] if "--" in argv else []
     own = argv[: argv.index("--")] if "--" in argv else argv
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="2 requests in turn at 1 stream, 8 at once for many streams, "
-                        "48 tokens, threshold at 4 streams only")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="2 requests in turn at 1 stream, 8 at once for many streams, 48 tokens, threshold at 4 streams only",
+    )
     parser.add_argument("--max-tokens", type=int, default=64, help="max_tokens per request (EOS honoured)")
     parser.add_argument("--sequential", type=int, default=4, help="requests one after another in a 1-stream load")
     parser.add_argument("--streams", type=int, default=16, help="concurrent requests of the many-streams loads")
-    parser.add_argument("--levels", type=int, nargs="*", default=[2, 4, 8], help="concurrent streams of the threshold loads")
+    parser.add_argument(
+        "--levels",
+        type=int,
+        nargs="*",
+        default=[2, 4, 8],
+        help="streams of the threshold loads: the first max(levels) requests, this many at a time",
+    )
     parser.add_argument("--rounds", type=int, default=2, help="runs of every load on every engine (order alternates)")
-    parser.add_argument("--chat-temperature", type=float, default=0.7, help="chat workload temperature (seed = request)")
-    parser.add_argument("--all-k", action="store_true", help="k = 2 and 6 in the grounded T=0.7 and many-streams loads too")
+    parser.add_argument(
+        "--chat-temperature", type=float, default=0.7, help="chat workload temperature (seed = request)"
+    )
+    parser.add_argument(
+        "--all-k", action="store_true", help="k = 2 and 6 in the grounded T=0.7 and many-streams loads too"
+    )
     args = parser.parse_args(own)
     if args.quick:
         args.sequential, args.streams, args.max_tokens, args.levels = 2, 8, 48, [4]
@@ -318,7 +381,13 @@ def main() -> None:
 
         ensure_default_model(base_settings.models_dir)
     tokenizer = Tokenizer.load(base_settings.model_path, base_settings.chat_template)
-    configs = {"off": "", "k2": spec_json(2, 64), "k4": spec_json(4, 64), "k6": spec_json(6, 64), "k4-mbs4": spec_json(4, 4)}
+    configs = {
+        "off": "",
+        "k2": spec_json(2, 64),
+        "k4": spec_json(4, 64),
+        "k6": spec_json(6, 64),
+        "k4-mbs4": spec_json(4, 4),
+    }
     labels = {"off": "off", "k2": "k=2", "k4": "k=4", "k6": "k=6", "k4-mbs4": "k=4, max_batch_size 4 (default)"}
     engines: dict[str, Engine] = {}
     started = time.perf_counter()
@@ -326,18 +395,26 @@ def main() -> None:
         engines[name] = Engine(load_settings(settings_argv, speculative_config=spec)[1], tokenizer=tokenizer)
     load_s = time.perf_counter() - started
     print(f"# speculative decoding (prompt lookup)\n\n{engines['off'].describe()}")
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs, OMP_WAIT_POLICY="
-          f"{os.environ.get('OMP_WAIT_POLICY', '(unset)')}, load average at start {load_avg[0]:.1f} / {load_avg[1]:.1f} "
-          f"(1 / 5 min); {len(engines)} engines loaded in {load_s:.0f} s")
-    print(f"max_tokens {args.max_tokens} (EOS honoured), {args.rounds} rounds (medians), chat temperature "
-          f"{args.chat_temperature}, prefix caching {'on' if base_settings.enable_prefix_caching else 'off'}, "
-          f"max_num_batched_tokens {base_settings.max_num_batched_tokens}", flush=True)
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs, OMP_WAIT_POLICY="
+        f"{os.environ.get('OMP_WAIT_POLICY', '(unset)')}, load average at start {load_avg[0]:.1f} / {load_avg[1]:.1f} "
+        f"(1 / 5 min); {len(engines)} engines loaded in {load_s:.0f} s"
+    )
+    print(
+        f"max_tokens {args.max_tokens} (EOS honoured), {args.rounds} rounds (medians), chat temperature "
+        f"{args.chat_temperature}, prefix caching {'on' if base_settings.enable_prefix_caching else 'off'}, "
+        f"max_num_batched_tokens {base_settings.max_num_batched_tokens}",
+        flush=True,
+    )
 
     n_max = max(args.streams, args.sequential, *args.levels)
     grounded, chat = grounded_prompts(tokenizer, n_max), chat_prompts(tokenizer, n_max)
     lengths = [len(p) for p in grounded]
-    print(f"grounded prompts {min(lengths)}-{max(lengths)} tokens, chat prompts "
-          f"{min(map(len, chat))}-{max(map(len, chat))}", flush=True)
+    print(
+        f"grounded prompts {min(lengths)}-{max(lengths)} tokens, chat prompts "
+        f"{min(map(len, chat))}-{max(map(len, chat))}",
+        flush=True,
+    )
 
     def greedy(n: int) -> list[SamplingParams]:
         return [SamplingParams(temperature=0, max_tokens=args.max_tokens) for _ in range(n)]
@@ -350,7 +427,7 @@ def main() -> None:
 
     # warm-up, untimed: first-call allocations, and a multi-token verification step on the speculating engines
     for name, engine in engines.items():
-        warm = Driver(engine, f"warmup-{name}", grounded[:2], [SamplingParams(temperature=0, max_tokens=12)] * 2, True)
+        warm = Driver(engine, f"warmup-{name}", grounded[:2], [SamplingParams(temperature=0, max_tokens=12)] * 2, 2)
         while not warm.done:
             warm.step()
 
@@ -358,18 +435,24 @@ def main() -> None:
     chat_label = "chat, greedy" if args.chat_temperature == 0 else f"chat, T={args.chat_temperature}"
     s = args.sequential
     one = [
-        Load("grounded, greedy", grounded[:s], greedy(s), False, ks, {}),
-        Load("grounded, T=0.7", grounded[:s], sampled(s, 0.7), False, ks if args.all_k else ["off", "k4"], {}),
-        Load(chat_label, chat[:s], chat_params(s), False, ks, {}),
+        Load("grounded, greedy", grounded[:s], greedy(s), 1, ks),
+        Load("grounded, T=0.7", grounded[:s], sampled(s, 0.7), 1, ks if args.all_k else ["off", "k4"]),
+        Load(chat_label, chat[:s], chat_params(s), 1, ks),
     ]
     n = args.streams
     many_engines = ["off", "k2", "k4", "k6", "k4-mbs4"] if args.all_k else ["off", "k4", "k4-mbs4"]
     many = [
-        Load("grounded, greedy", grounded[:n], greedy(n), True, many_engines, {}),
-        Load(chat_label, chat[:n], chat_params(n), True, many_engines, {}),
+        Load("grounded, greedy", grounded[:n], greedy(n), n, many_engines),
+        Load(chat_label, chat[:n], chat_params(n), n, many_engines),
     ]
-    levels = {c: [Load("grounded, greedy", grounded[:c], greedy(c), True, ["off", "k4"], {}),
-                  Load(chat_label, chat[:c], chat_params(c), True, ["off", "k4"], {})] for c in args.levels}
+    m = max(args.levels, default=0)  # every threshold level runs the same requests, c at a time
+    levels = {
+        c: [
+            Load("grounded, greedy", grounded[:m], greedy(m), c, ["off", "k4"]),
+            Load(chat_label, chat[:m], chat_params(m), c, ["off", "k4"]),
+        ]
+        for c in args.levels
+    }
     bench_started = time.perf_counter()
     for load in one + many + [x for ls in levels.values() for x in ls]:
         run_rounds(engines, load, args.rounds)
@@ -379,7 +462,13 @@ def main() -> None:
 
     # threshold: k=4 forced on against off, by concurrent streams
     print("\n## Batch-size threshold: k=4 forced on (max_batch_size 64) against off, output tok/s\n")
-    print(f"| streams | grounded off | grounded k=4 | ratio | acceptance | {chat_label} off | k=4 | ratio | acceptance |")
+    print(
+        f"n streams: the first {m} requests of each workload, n at a time (the next one added when one finishes); "
+        f"row 1 is the 1-stream table ({s} requests), row {n} the {n}-stream table.\n"
+    )
+    print(
+        f"| streams | grounded off | grounded k=4 | ratio | acceptance | {chat_label} off | k=4 | ratio | acceptance |"
+    )
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     rows: list[tuple[int, list[Load]]] = [(1, [one[0], one[2]])] + sorted(levels.items()) + [(n, many)]
     pays: list[int] = []
@@ -389,8 +478,7 @@ def main() -> None:
             off, on = tps(load.runs["off"]), tps(load.runs["k4"])
             ok &= on >= off
             cells += [f"{off:.1f}", f"{on:.1f}", f"{on / off:.2f}x", acceptance(load.runs["k4"])[0]]
-        note = " (1-stream table)" if c == 1 else f" ({n}-stream table)" if c == n else ""
-        print(f"| {c}{note} | " + " | ".join(cells) + " |")
+        print(f"| {c} | " + " | ".join(cells) + " |")
         if ok:
             pays.append(c)
     threshold = 0
@@ -398,19 +486,27 @@ def main() -> None:
         if c not in pays:
             break
         threshold = c
-    print(f"\nthreshold (largest batch where speculation still pays for both workloads, every smaller level too): "
-          f"{threshold or 'none'}")
+    print(
+        f"\nthreshold (largest batch where speculation still pays for both workloads, every smaller level too): "
+        f"{threshold or 'none'}"
+    )
 
     # issue 16's goals
+    def ratios(load: Load) -> str:
+        return ", ".join(f"{labels[k]} {tps(load.runs[k]) / tps(load.runs['off']):.2f}x" for k in load.engines[1:])
+
     g1 = tps(one[0].runs["k4"]) / tps(one[0].runs["off"])
-    c1 = min(tps(one[2].runs[k]) / tps(one[2].runs["off"]) for k in ks[1:])
+    c1 = tps(one[2].runs["k4"]) / tps(one[2].runs["off"])
     m_default = min(tps(x.runs["k4-mbs4"]) / tps(x.runs["off"]) for x in many)
     m_forced = min(tps(x.runs["k4"]) / tps(x.runs["off"]) for x in many)
     print("\nissue 16 goals (k=4):")
-    print(f"- 1 stream, grounded greedy >= 1.8x: {g1:.2f}x {'met' if g1 >= 1.8 else 'NOT met'}")
-    print(f"- 1 stream, chat >= 1.0x (lowest k): {c1:.2f}x {'met' if c1 >= 1.0 else 'NOT met'}")
-    print(f"- {n} streams >= 0.95x (lower workload): default max_batch_size 4 {m_default:.2f}x "
-          f"{'met' if m_default >= 0.95 else 'NOT met'}; forced on {m_forced:.2f}x {'met' if m_forced >= 0.95 else 'NOT met'}")
+    print(f"- 1 stream, grounded greedy >= 1.8x: {g1:.2f}x {'met' if g1 >= 1.8 else 'NOT met'} ({ratios(one[0])})")
+    print(f"- 1 stream, chat >= 1.0x: {c1:.2f}x {'met' if c1 >= 1.0 else 'NOT met'} ({ratios(one[2])})")
+    print(
+        f"- {n} streams >= 0.95x (lower workload): default max_batch_size 4 {m_default:.2f}x "
+        f"{'met' if m_default >= 0.95 else 'NOT met'}; "
+        f"forced on {m_forced:.2f}x {'met' if m_forced >= 0.95 else 'NOT met'}"
+    )
     print(f"\nload average at end {os.getloadavg()[0]:.1f}; loads took {time.perf_counter() - bench_started:.0f} s")
     sample = one[0].runs["k4"][0].tokens[0]
     print(f"example grounded output: {tokenizer.decode(sample, skip_special_tokens=True)[:160]!r}...")
