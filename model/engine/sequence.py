@@ -56,6 +56,8 @@ class Sequence:
         # so its matcher stays in step with them and never needs a rollback.
         self.matcher: xgrammar.GrammarMatcher | None = None
         self.spec_token_ids: list[int] = []  # proposed next tokens, checked by this step's forward (not yet output)
+        self.spec_misses = 0  # proposals rejected whole, in a row
+        self.spec_pause = 0  # decode steps left without proposals (backing off after misses)
 
     def __len__(self) -> int:
         return len(self.token_ids)

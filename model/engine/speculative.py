@@ -26,7 +26,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1
     # Speculate only while this many sequences or fewer run: past it the batch keeps the cores busy and the extra
     # positions cost more than they save (bench/speculative.py measures it).
-    max_batch_size: int = 4
+    max_batch_size: int = 2
     model: str = ""  # draft_model: a GGUF file or Hugging Face folder with the target's vocabulary
     draft_kv_cache_memory: int = 0  # draft_model: bytes of its own KV cache; 0 = a quarter of the target's
 
