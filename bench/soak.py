@@ -214,7 +214,10 @@ async def soak(args: argparse.Namespace, url: str, pid: int | None, inprocess: b
                 extra = f" heap used {heap['heap_used']:.0f} free {heap['heap_free']:.0f} arenas {heap.get('arenas')}"
             else:
                 extra = ""
-            print(f"  {done:>6} requests {samples[-1].seconds:7.0f}s  RSS {samples[-1].rss_mib:7.0f} MiB{extra}")
+            print(
+                f"  {done:>6} requests {samples[-1].seconds:7.0f}s  RSS {samples[-1].rss_mib:7.0f} MiB{extra}",
+                flush=True,
+            )
 
         def record(outcome: Outcome) -> None:
             outcomes[outcome.kind] += 1
@@ -241,10 +244,14 @@ async def soak(args: argparse.Namespace, url: str, pid: int | None, inprocess: b
                 index = next_index
                 next_index += 1
                 body, drop_after = request_body(index, args, model)
-                record(await one_request(http, url, body, drop_after))
+                while (outcome := await one_request(http, url, body, drop_after)).kind == "rejected":
+                    record(outcome)  # as a client would: wait Retry-After (1 s), then send it again
+                    await asyncio.sleep(1.0)
+                record(outcome)
                 done += 1
                 if done % step == 0:  # synchronous: the other clients are where they are
-                    if args.tracemalloc and done == 2 * step:  # 10%: the baseline of the diff
+                    if args.tracemalloc and done == 2 * step:  # 10%: tracing starts; its snapshot is the baseline
+                        tracemalloc.start(8)
                         gc.collect()
                         snapshots.append(tracemalloc.take_snapshot())
                     sample()
@@ -368,8 +375,6 @@ def main() -> None:
             key, _, value = item.partition("=")
             os.environ[key] = value  # only what this process reads after start (e.g. ONEDNN_* before first use)
         _, settings = load_settings(["serve", "--log-level", "warning", *shlex.split(args.server_args)])
-        if args.tracemalloc:
-            tracemalloc.start(8)
         live, thread = start_server(settings)
         try:
             result = asyncio.run(soak(args, live.base_url, os.getpid(), True))
