@@ -7,7 +7,7 @@ PORT ?= 8000
 ARGS ?=
 DEFAULT_MODEL := models/SmolLM2-135M-Instruct.Q4_1.gguf
 
-.PHONY: install model chromium serve lint test bench clean
+.PHONY: install model chromium serve lint test bench soak clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -48,3 +48,7 @@ bench: install model
 
 clean:
 	rm -rf $(VENV) models
+
+# 10,000 requests of the operator's mix against a spawned server; the RSS curve as a table and bench/SOAK.png.
+soak: install model
+	$(PY) bench/soak.py --requests 10000 --server-args "$(ARGS)" --out bench/SOAK.md

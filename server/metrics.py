@@ -8,7 +8,14 @@ Latencies are observed by the server as outputs arrive. Each app gets its own re
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    ProcessCollector,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -182,6 +189,9 @@ class ServerMetrics:
         for reason in ("stop", "length", "abort"):  # export zeros from the start so rate() has a baseline
             self._success.labels(model_name, reason)
         self.registry.register(_EngineCollector(model_name, stats))
+        # process_resident_memory_bytes, process_virtual_memory_bytes, process_cpu_seconds_total, open fds, start
+        # time (from /proc; nothing on platforms without it): the memory of a server that runs for weeks
+        ProcessCollector(registry=self.registry)
 
     def finished(self, reason: str) -> None:
         self._success.labels(self.model_name, reason).inc()

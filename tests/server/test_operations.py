@@ -6,6 +6,7 @@ import json
 import logging
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -249,3 +250,15 @@ def test_big_prompts_are_tokenized_off_the_event_loop(
     assert big.status_code == 400 and big.json()["error"]["code"] == "context_length_exceeded"  # 8000 words > 2048
     assert not threads[0].startswith("llmserve-tokenizer")  # small: inline, exact admission accounting
     assert threads[1].startswith("llmserve-tokenizer")
+
+
+def test_metrics_show_the_process_memory(server: LiveServer) -> None:
+    """prometheus-client's process collector: what an operator watches on a server that runs for weeks."""
+    m = server.metrics()
+    status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
+    vm_rss = int(status["VmRSS"].split()[0]) * 1024  # the test process is the server's (uvicorn in a thread)
+    rss = m["process_resident_memory_bytes"]
+    assert 100 * 2**20 < rss < 64 * 2**30
+    assert abs(rss - vm_rss) < max(64 * 2**20, vm_rss // 10)  # the same process, read a moment apart
+    assert m["process_virtual_memory_bytes"] >= rss
+    assert m["process_cpu_seconds_total"] > 0 and m["process_open_fds"] > 0
