@@ -284,10 +284,10 @@ class Engine:
                 self.spec_drafts += 1
                 self.spec_draft_tokens += s.num_spec
                 self.spec_accepted_tokens += len(new) - 1
-                # A sequence whose proposals keep failing (open-ended chat) pauses proposing for 1, 3, 7, then
-                # 15 steps: checking proposals makes a step ~12 % slower, which only accepted tokens pay back.
+                # A sequence whose proposals keep failing (open-ended chat) pauses proposing for 1, 3, 7, ... up to
+                # 63 steps: checking proposals makes a step ~12 % slower, which only accepted tokens pay back.
                 seq.spec_misses = 0 if len(new) > 1 else seq.spec_misses + 1
-                seq.spec_pause = min(2**seq.spec_misses - 1, 15)
+                seq.spec_pause = min(2**seq.spec_misses - 1, 63)
             reason = None
             for j, token in enumerate(new):  # the first token that ends the sequence drops the ones after it
                 reason = self._finish_reason(seq, token, len(seq) - len(new) + j + 1)
