@@ -181,3 +181,22 @@ def test_400_shows_its_message(chat: ChatPage) -> None:
     page.click("#close-settings")
     answer = finished(send(page, "Hello?"), "error")
     expect(answer.locator(".error")).to_have_text("400: top_k: Input should be greater than or equal to -1 (got -5)")
+
+
+def test_json_mode_answers_with_a_json_object(chat: ChatPage) -> None:
+    """The toggle asks for response_format json_object; the real model's answer, constrained, parses as an object."""
+    page, _ = chat
+    settings = open_settings(page)
+    settings.locator("[name=max_tokens]").fill("200")
+    settings.locator("[name=temperature]").fill("0")  # greedy: the same answer every run
+    page.click("#close-settings")
+    page.check("#json-mode")
+    page.evaluate(WATCH_ANSWER)
+    finished(send(page, 'Reply with a JSON object like {"greeting": "hello"}.'), "done")
+    (stream,) = page.wait_for_function("window.streams.length && window.streams").json_value()
+    chunks = [json.loads(line.removeprefix("data: ")) for line in stream.split("\n") if line.startswith("data: {")]
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    finish = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert finish == ["stop"], text
+    assert isinstance(json.loads(text), dict)
+    assert stored_conversations(page)[0]["messages"][1]["content"] == text
