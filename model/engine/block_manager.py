@@ -107,21 +107,19 @@ class BlockManager:
         """Give back the blocks past the sequence's computed tokens: after speculation, rejected proposals' KV."""
         keep = self.blocks_needed(seq.num_computed_tokens)
         while len(seq.block_table) > keep:
-            block = self.blocks[seq.block_table.pop()]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self._evict(block)
-                self.free[block.block_id] = None
-                self.free.move_to_end(block.block_id, last=False)
+            self._release(seq.block_table.pop())
 
     def free_sequence(self, seq: Sequence) -> None:
         # Reversed so a sequence's tail is evicted before its (more shareable) head.
         for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self.free[block_id] = None
-                if block.hash is None:
-                    self.free.move_to_end(block_id, last=False)  # unhashed blocks are reused first
+            self._release(block_id)
         seq.block_table = []
         seq.num_computed_tokens = 0
+
+    def _release(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self.free[block_id] = None
+            if block.hash is None:
+                self.free.move_to_end(block_id, last=False)  # unhashed blocks are reused first

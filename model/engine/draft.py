@@ -61,11 +61,11 @@ class DraftProposer:
         limits = [min(limit, self.k) for _, limit in rows]
         proposals: list[list[int]] = [[] for _ in rows]
         for _ in range(max(limits, default=0)):
-            active = [i for i, d in enumerate(drafts) if d is not None and len(proposals[i]) < limits[i]]
             scheduled: list[ScheduledSeq] = []
-            for i in active:
-                draft = drafts[i]
-                assert draft is not None
+            owners: list[int] = []  # the row each scheduled draft proposes for
+            for i, draft in enumerate(drafts):
+                if draft is None or len(proposals[i]) >= limits[i]:
+                    continue
                 n = len(draft) - draft.num_computed_tokens  # the unshared tail (round 0), then one token
                 if not self.block_manager.can_append(draft, n):
                     self.release({draft.request_id})  # no room: this sequence goes without proposals
@@ -73,14 +73,14 @@ class DraftProposer:
                     continue
                 self.block_manager.append(draft, n)
                 scheduled.append(ScheduledSeq(draft, n))
+                owners.append(i)
             if not scheduled:
                 break
             sampled = self.runner.run(scheduled, [None] * len(scheduled))
             assert sampled is not None
-            for s, tokens in zip(scheduled, sampled.tokens, strict=True):
+            for s, i, tokens in zip(scheduled, owners, sampled.tokens, strict=True):
                 s.seq.num_computed_tokens += s.num_tokens
                 s.seq.token_ids.append(tokens[0])
-            for i, tokens in zip([i for i in active if drafts[i] is not None], sampled.tokens, strict=True):
                 proposals[i].append(tokens[0])
         return proposals
 
