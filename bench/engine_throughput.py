@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import torch  # noqa: E402
 from serve_bench import chat_messages  # noqa: E402  (same prompt text as the HTTP benchmark)
 
-from config.settings import load_settings  # noqa: E402
+from config.settings import Settings, load_settings  # noqa: E402
 from model.engine.engine import Engine  # noqa: E402
 from model.engine.sequence import SamplingParams  # noqa: E402
 
@@ -165,6 +165,16 @@ def profile_decode(engine: Engine, n: int, prompt_tokens: int, num_steps: int, r
     )
 
 
+def bench_settings(argv: list[str]) -> Settings:
+    """Settings from `llmserve serve` flags, with the default model fetched when none is named."""
+    _, settings = load_settings(argv)
+    if not settings.model:
+        from config.default_model import ensure_default_model
+
+        ensure_default_model(settings.models_dir)
+    return settings
+
+
 def main() -> None:
     argv = sys.argv[1:]
     server_flags = argv[argv.index("--") + 1 :] if "--" in argv else []
@@ -184,11 +194,7 @@ def main() -> None:
     parser.add_argument("--skip-levels", action="store_true", help="only profile")
     args = parser.parse_args(own)
 
-    _, settings = load_settings(["serve", *server_flags])
-    if not settings.model:
-        from config.default_model import ensure_default_model
-
-        ensure_default_model(settings.models_dir)
+    settings = bench_settings(["serve", *server_flags])
     engine = Engine(settings)
     print(f"# engine throughput\n\n{engine.describe()}")
     print(

@@ -50,7 +50,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import torch  # noqa: E402
-from engine_throughput import LevelResult  # noqa: E402  (output tok/s, decode tok/s as the other engine benchmarks)
+from engine_throughput import LevelResult, bench_settings  # noqa: E402  (output tok/s, decode tok/s as the other engine benchmarks)
 
 from config.settings import load_settings  # noqa: E402
 from model.engine.engine import Engine  # noqa: E402
@@ -379,11 +379,7 @@ def main() -> None:
 
     load_avg = os.getloadavg()
     settings_argv = ["serve", "--kv-cache-memory", str(320 << 20), "--no-enable-prefix-caching", *server_flags]
-    _, base_settings = load_settings(settings_argv)
-    if not base_settings.model:
-        from config.default_model import ensure_default_model
-
-        ensure_default_model(base_settings.models_dir)
+    base_settings = bench_settings(settings_argv)
     tokenizer = Tokenizer.load(base_settings.model_path, base_settings.chat_template)
     configs = {
         "off": "",

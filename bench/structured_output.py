@@ -44,12 +44,11 @@ sys.path.insert(0, str(ROOT / "bench"))
 import jsonschema  # noqa: E402
 import torch  # noqa: E402
 import xgrammar  # noqa: E402
-from engine_throughput import LevelResult  # noqa: E402  (its tok/s, decode tok/s and ms/step definitions)
+from engine_throughput import LevelResult, bench_settings  # noqa: E402  (its tok/s, decode tok/s and ms/step definitions)
 
 import model.engine.engine as engine_module  # noqa: E402
 import model.engine.model_runner as runner_module  # noqa: E402
 import model.layers.sampler as sampler_module  # noqa: E402
-from config.settings import load_settings  # noqa: E402
 from model.engine.engine import Engine  # noqa: E402
 from model.sampling_params import SamplingParams  # noqa: E402
 from model.structured_output import GrammarSpec  # noqa: E402
@@ -367,11 +366,7 @@ def main() -> None:
     parser.add_argument("--no-profile", action="store_true", help="skip the profile pass")
     args = parser.parse_args(own)
 
-    _, settings = load_settings(["serve", *server_flags])
-    if not settings.model:
-        from config.default_model import ensure_default_model
-
-        ensure_default_model(settings.models_dir)
+    settings = bench_settings(["serve", *server_flags])
     engine = Engine(settings)
     print(f"# structured output\n\n{engine.describe()}")
     print(
