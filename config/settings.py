@@ -17,11 +17,13 @@ class Settings(BaseSettings):
     served_model_name: str = Field("", description="model id in the API; empty = derived from --model")
     models_dir: Path = Field(Path("models"), description="where the default model is cached")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="auto: float32 on CPU, bfloat16 on CUDA"
+        "auto", description="auto: bfloat16 on CUDA and on CPUs with AVX512-BF16 or AMX, float32 on other CPUs"
     )
     device: str = Field("auto", description="auto, cpu or cuda[:N]")
-    quantization: Literal["none", "int8", "int4"] = Field(
-        "none", description="weight-only quantization of linear layers (CPU)"
+    quantization: Literal["auto", "none", "int8", "int4"] = Field(
+        "auto",
+        description="CPU linear layers: auto = the checkpoint's own (a GGUF's Q4_0/Q4_1/Q4_K as int4, Q8_0 as int8), "
+        "none = dequantized to --dtype (the exact reference in float32), int8/int4 = requantize every layer",
     )
     prepack_weights: bool = Field(True, description="CPU: reorder linear weights once for oneDNN (about 2x MKL here)")
     torch_compile: bool = Field(

@@ -1,7 +1,7 @@
 """One decoder for every supported family: embed -> N x (norm, RoPE attention, norm, gated MLP) -> norm -> LM head.
 Architecture differences are ModelConfig fields; checkpoint names are mapped by tables in load_weights."""
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import ClassVar, cast
 
 import torch
@@ -13,6 +13,7 @@ from model.layers.attention import PagedAttention
 from model.layers.mlp import GatedMLP
 from model.layers.norm import RMSNorm
 from model.layers.rotary import RotaryEmbedding
+from model.qtensor import GroupQuantized
 
 
 class WeightError(ValueError):
@@ -144,11 +145,19 @@ class Decoder(nn.Module):
         cap = self.config.final_logit_softcapping
         return torch.tanh(logits / cap) * cap if cap else logits
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(
+        self,
+        weights: Iterable[tuple[str, torch.Tensor | GroupQuantized]],
+        on_quantized: Callable[[str, GroupQuantized], None] | None = None,
+    ) -> None:
         """Copy checkpoint tensors (transformers names) into our parameters; every parameter must be filled once.
-        Raises WeightError naming the tensor on an unexpected, missing or wrongly shaped tensor."""
+        Raises WeightError naming the tensor on an unexpected, missing or wrongly shaped tensor.
+
+        A quantized tensor goes to `on_quantized` (our parameter name, all its shards joined) once every shard of
+        the parameter has come quantized alike; shards of a parameter the checkpoint mixes are dequantized into it."""
         params = dict(self.named_parameters())  # a tied lm_head.weight is listed once, as embed_tokens.weight
         filled: dict[str, set[int]] = {name: set() for name in params}
+        pending: dict[str, dict[int, GroupQuantized]] = {}  # quantized shards of parameters not yet complete
         for hf_name, tensor in weights:
             if "rotary_emb." in hf_name:
                 continue
@@ -165,8 +174,27 @@ class Decoder(nn.Module):
                 target = target.narrow(0, sum(sizes[:shard]), sizes[shard])
             if tuple(target.shape) != tuple(tensor.shape):
                 raise WeightError(f"tensor {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
-            target.copy_(tensor)
-            filled[name] |= {shard} if shard is not None else set(range(len(self._shard_sizes(name))))
+            shards = {shard} if shard is not None else set(range(len(self._shard_sizes(name))))
+            if isinstance(tensor, GroupQuantized) and on_quantized is not None and not filled[name]:
+                parts = pending.setdefault(name, {})
+                parts[min(shards)] = tensor
+                if shard is not None and len(parts) < len(self._shard_sizes(name)):
+                    continue  # the other shards of this fused parameter are still to come
+                del pending[name]
+                joined = [parts[i] for i in sorted(parts)]
+                if len({p.bits for p in joined}) == 1:
+                    on_quantized(name, GroupQuantized.cat(joined) if len(joined) > 1 else joined[0])
+                    filled[name] = set(range(len(self._shard_sizes(name))))
+                    continue
+                for i, part in parts.items():  # 4- and 8-bit shards in one matrix: dense
+                    self._fill(params[name].data, name, i, part.dequantize())
+                filled[name] = set(parts)
+                continue
+            target.copy_(tensor.dequantize() if isinstance(tensor, GroupQuantized) else tensor)
+            filled[name] |= shards
+            for i, part in pending.pop(name, {}).items():  # quantized shards beside a dense one: all dense
+                self._fill(params[name].data, name, i, part.dequantize())
+                filled[name].add(i)
         missing = [
             self._checkpoint_name(name, shard if len(self._shard_sizes(name)) > 1 else None)
             for name, shards in filled.items()
@@ -176,6 +204,10 @@ class Decoder(nn.Module):
         if missing:
             more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
             raise WeightError(f"missing tensors in the checkpoint: {', '.join(missing[:8])}{more}")
+
+    def _fill(self, param: torch.Tensor, name: str, shard: int, tensor: torch.Tensor) -> None:
+        sizes = self._shard_sizes(name)
+        param.narrow(0, sum(sizes[:shard]), sizes[shard]).copy_(tensor)
 
     def _our_name(self, hf_name: str) -> tuple[str, int | None]:
         """transformers name -> (our parameter name, shard index within a fused parameter or None)."""

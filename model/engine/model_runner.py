@@ -19,7 +19,7 @@ from model.engine.scheduler import ScheduledSeq
 from model.engine.sequence import SamplingParams, Sequence, TokenLogprob
 from model.layers.attention import flash_attn_usable
 from model.layers.linear import onednn_usable, pack_linears
-from model.layers.quantization import quantize
+from model.layers.quantization import install_quantized, quantize
 from model.layers.sampler import Sampler, SamplingBatch
 from model.loaders import load_config, read_weights
 
@@ -44,9 +44,19 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def cpu_has_bfloat16() -> bool:
+    """AVX512-BF16 or AMX: the CPU multiplies bfloat16 natively, so 16-bit activations halve what moves through
+    memory at no loss of speed; without them torch emulates bfloat16, slower than float32."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return " avx512_bf16" in flags or " amx_bf16" in flags
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return torch.bfloat16 if device.type == "cuda" or cpu_has_bfloat16() else torch.float32
     return DTYPES[name]
 
 
@@ -66,15 +76,22 @@ def build_decoder(
     keep_weights: bool = False,
 ) -> Decoder:
     """Allocate the decoder without random init, stream the checkpoint into it tensor by tensor, then give its
-    linear layers their CPU form: quantized, or reordered once for oneDNN."""
+    linear layers their CPU form: quantized, or reordered once for oneDNN.
+
+    quantization auto: on CPU, a GGUF's 4- and 8-bit matrices become int4 / int8 layers as they are read (their own
+    values, no float copy of the model); float tensors, and everything on CUDA, stay in `dtype`."""
+    if quantization not in ("auto", "none") and device.type != "cpu":
+        raise ValueError(f"--quantization {quantization} runs on CPU only; on {device.type} use --dtype bfloat16")
     decoder = Decoder.allocate(config, max_positions, dtype, device)
-    decoder.load_weights(read_weights(path, config))
-    if quantization != "none":
-        if device.type != "cpu":
-            raise ValueError(f"--quantization {quantization} runs on CPU only; on {device.type} use --dtype bfloat16")
+    own_quantized = quantization == "auto" and onednn_usable(device, torch.bfloat16)
+    decoder.load_weights(
+        read_weights(path, config, keep_quantized=own_quantized),
+        on_quantized=lambda name, weight: install_quantized(decoder, name, weight, dtype),
+    )
+    if quantization in ("int8", "int4"):
         quantize(decoder, quantization)
     elif prepack_weights and onednn_usable(device, dtype):
-        pack_linears(decoder, keep_weights)
+        pack_linears(decoder, keep_weights)  # the linears still dense
     return decoder.eval()
 
 
