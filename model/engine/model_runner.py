@@ -21,6 +21,7 @@ from model.layers.attention import flash_attn_usable
 from model.layers.linear import onednn_usable, pack_linears
 from model.layers.quantization import quantize
 from model.layers.sampler import Sampler, SamplingBatch
+from model.layers.triton_attention import triton_usable
 from model.loaders import load_config, read_weights
 
 log = logging.getLogger("llmserve.model_runner")
@@ -172,15 +173,20 @@ class ModelRunner:
         use_flash = flash_attn_usable(self.device) and self.dtype != torch.float32 and self.block_size % 256 == 0
         if flash_attn_usable(self.device) and not use_flash:
             log.warning("flash-attn unused: it needs --block-size a multiple of 256 and a 16-bit --dtype")
+        # our Triton kernel takes any block size and dtype: the CUDA default when flash-attn cannot run
+        use_triton = not use_flash and triton_usable(self.device)
         for attn in self.decoder.attention_layers():
             attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
             attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
             attn.use_flash = use_flash
+            attn.use_triton = use_triton
+        log.info("attention backend: %s on %s", self.attention_backend, self.device)
         return num_blocks
 
     @property
     def attention_backend(self) -> str:
-        return "flash-attn" if self.decoder.attention_layers()[0].use_flash else "torch-sdpa"
+        attn = self.decoder.attention_layers()[0]
+        return "flash-attn" if attn.use_flash else "triton" if attn.use_triton else "torch-sdpa"
 
     def prepare(self, scheduled: list[ScheduledSeq]) -> Batch:
         input_ids: list[int] = []
