@@ -134,6 +134,24 @@ if triton is not None:
         )
 
 
+def tile_config(group: int, head_dim: int, dtype: torch.dtype, decode: bool) -> dict[str, int]:
+    """Tile sizes of one launch. A tile of a decode launch is one query token (its group of heads); of a prefill
+    launch, about 64 rows (64 / group tokens). Wider rows (head dim x element size) take fewer keys and rows per
+    tile, so that the tiles of Q, K, V and the float32 accumulator stay within the 99 KiB of shared memory that
+    every GPU since sm_80 gives a block (checked by compiling for sm_90, in tests/model/test_triton_attention.py)."""
+    head_dim_pad = max(16, triton.next_power_of_2(head_dim))  # tl.arange takes powers of two; tl.dot K >= 16
+    row_bytes = head_dim_pad * dtype.itemsize
+    rows = 64 if row_bytes <= 512 else 32
+    block_q = 1 if decode else max(1, rows // group)
+    return dict(
+        HEAD_DIM_PAD=head_dim_pad,
+        BLOCK_Q=block_q,
+        BLOCK_M=max(16, triton.next_power_of_2(block_q * group)),  # tl.dot needs M >= 16
+        BLOCK_N=64 if row_bytes <= 256 else 32 if row_bytes <= 512 else 16,
+        num_warps=4 if head_dim_pad <= 128 else 8,
+    )
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -149,50 +167,48 @@ def paged_attention(
 ) -> torch.Tensor:
     """q: [T, H, D] (the new tokens, sequence after sequence; the first num_decode sequences one token each) ->
     [T, H, D]. K/V of every context position, the new ones included, must already be in the pool. No host sync:
-    the grid comes from host ints, so a decode launch can be captured in a CUDA graph."""
+    the grid comes from host ints, so a decode launch can be captured in a CUDA graph. block_n: keys per iteration,
+    0 = tile_config's (tests set it small to get many iterations from short contexts)."""
     assert triton is not None, "triton is not installed"
     num_seqs = block_tables.shape[0]
     _, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     group = num_heads // num_kv_heads
-    head_dim_pad = max(16, triton.next_power_of_2(head_dim))
-    if not block_n:  # a [M, D] fp32 accumulator and [N, D] tiles of K and V must fit the registers of one block
-        block_n = 64 if head_dim_pad <= 128 else 32
     out = torch.empty_like(q)
-    common = dict(
-        scale_log2=scale * math.log2(math.e),
-        window=window or 0,
-        stride_q_tok=q.stride(0),
-        stride_q_head=q.stride(1),
-        stride_o_tok=out.stride(0),
-        stride_o_head=out.stride(1),
-        stride_k_block=k_cache.stride(0),
-        stride_k_slot=k_cache.stride(1),
-        stride_k_head=k_cache.stride(2),
-        stride_v_block=v_cache.stride(0),
-        stride_v_slot=v_cache.stride(1),
-        stride_v_head=v_cache.stride(2),
-        stride_table=block_tables.stride(0),
-        GROUP=group,
-        HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=head_dim_pad,
-        BLOCK_SIZE=block_size,
-        BLOCK_N=block_n,
-        USE_WINDOW=window is not None,
-        IEEE=q.dtype == torch.float32,
-        num_warps=4 if head_dim_pad <= 128 else 8,
-    )
     args = (out, q, k_cache, v_cache, block_tables, context_lens, query_start_loc)
-    # (first sequence, sequences, query tokens per tile, longest chunk) of each launch
+    # (first sequence, sequences, decode?, longest chunk) of each launch
     launches = []
     if num_decode:
-        launches.append((0, num_decode, 1, 1))
+        launches.append((0, num_decode, True, 1))
     if num_seqs > num_decode:
-        # about 64 rows per tile: 64 / group query tokens (at least one), rows padded up to a power of two
-        launches.append((num_decode, num_seqs - num_decode, max(1, 64 // group), max_query_len))
-    for first_seq, seqs, block_q, longest in launches:
-        block_m = max(16, triton.next_power_of_2(block_q * group))
-        grid = (seqs, num_kv_heads, triton.cdiv(longest, block_q))
-        paged_attention_kernel[grid](*args, first_seq, BLOCK_Q=block_q, BLOCK_M=block_m, **common)
+        launches.append((num_decode, num_seqs - num_decode, False, max_query_len))
+    for first_seq, seqs, decode, longest in launches:
+        config = tile_config(group, head_dim, q.dtype, decode)
+        if block_n:
+            config["BLOCK_N"] = block_n
+        grid = (seqs, num_kv_heads, triton.cdiv(longest, config["BLOCK_Q"]))
+        paged_attention_kernel[grid](
+            *args,
+            first_seq,
+            scale * math.log2(math.e),
+            window or 0,
+            q.stride(0),
+            q.stride(1),
+            out.stride(0),
+            out.stride(1),
+            k_cache.stride(0),
+            k_cache.stride(1),
+            k_cache.stride(2),
+            v_cache.stride(0),
+            v_cache.stride(1),
+            v_cache.stride(2),
+            block_tables.stride(0),
+            GROUP=group,
+            HEAD_DIM=head_dim,
+            BLOCK_SIZE=block_size,
+            USE_WINDOW=window is not None,
+            IEEE=q.dtype == torch.float32,
+            **config,
+        )
     return out

@@ -244,6 +244,60 @@ def test_paged_attention_layer_writes_then_reads_through_triton() -> None:
     assert (out.double().cpu() - reference(case, shape)).abs().max().item() < 1e-5
 
 
+def ptxas_found() -> bool:
+    """The triton wheel bundles NVIDIA's assembler: the kernel can be compiled to a cubin without a GPU."""
+    if importlib.util.find_spec("triton") is None:
+        return False
+    import triton
+
+    return (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists()
+
+
+# (dtype, query heads per KV head, head dim): the embedded model's shape, Llama-3-8B's, Gemma's widest, and float32
+COMPILED = [
+    (torch.bfloat16, 3, 64),
+    (torch.bfloat16, 4, 128),
+    (torch.bfloat16, 8, 256),
+    (torch.float32, 1, 256),
+]
+
+
+@pytest.mark.skipif(INTERPRETED or not ptxas_found(), reason="needs triton's bundled ptxas, outside the interpreter")
+@pytest.mark.parametrize("decode", [True, False], ids=["decode", "prefill"])
+@pytest.mark.parametrize("dtype,group,head_dim", COMPILED, ids=lambda v: str(v).removeprefix("torch."))
+def test_kernel_compiles_for_h200_within_99_kib_of_shared_memory(
+    dtype: torch.dtype, group: int, head_dim: int, decode: bool
+) -> None:
+    """What the GPU would compile at the first launch, compiled here for sm_90 (H100/H200) with the tile sizes
+    paged_attention would pick: Triton's type and shape checks, and ptxas, run without a GPU. 99 KiB is the most
+    shared memory a block gets on sm_86/sm_89; sm_80 and sm_90 allow more."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    config = triton_attention.tile_config(group, head_dim, dtype, decode)
+    num_warps = config.pop("num_warps")
+    constants = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=16, USE_WINDOW=True, IEEE=dtype == torch.float32)
+    constants |= config
+    element = {torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype]
+    kernel = triton_attention.paged_attention_kernel
+    signature = {}
+    for name in kernel.arg_names:
+        if name in constants:
+            signature[name] = "constexpr"
+        elif name in ("out_ptr", "q_ptr", "k_cache_ptr", "v_cache_ptr"):
+            signature[name] = f"*{element}"
+        elif name.endswith("_ptr"):
+            signature[name] = "*i32"
+        else:
+            signature[name] = "fp32" if name == "scale_log2" else "i32"
+    compiled = triton.compile(
+        ASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}
+    )
+    assert compiled.asm["cubin"]
+    assert compiled.metadata.shared <= 99 * 1024, config
+
+
 @pytest.mark.skipif(not CUDA, reason="needs CUDA: the kernel compiled for the GPU, in bfloat16, against torch SDPA")
 @pytest.mark.parametrize("shape", [Shape(32, 8, 128, None, 128**-0.5), Shape(8, 1, 256, 512, 256**-0.5)], ids=str)
 @pytest.mark.parametrize("kind", ["prefill", "decode", "mixed"])
