@@ -251,7 +251,9 @@ class ModelRunner:
             query_lens_cpu=query_lens,
             context_lens_cpu=context_lens,
         )
-        if num_decode:
+        first = self.decoder.attention_layers()[0]
+        # the block views of the torch path: host work and a copy that flash-attn, Triton and CUDA graphs never read
+        if num_decode and not (first.use_flash or first.use_triton):
             nb = -(-max(context_lens[:num_decode]) // bs)
             batch.decode_blocks = nb
             batch.decode_block_ids = tensor([b for t in tables[:num_decode] for b in t[:nb]], torch.int64).clamp_(min=0)
