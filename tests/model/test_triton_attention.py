@@ -13,6 +13,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -206,6 +207,33 @@ def test_decode_only_and_prefill_only_batches() -> None:
         case = make_case(shape, query_lens, context_lens, block_size=8, dtype=torch.float32, device=DEVICE, seed=3)
         out = run_kernel(case, shape)
         assert (out.double().cpu() - reference(case, shape)).abs().max().item() < 1e-5
+
+
+@runs_kernel
+@pytest.mark.parametrize("seed", range(6))
+def test_random_batches_match_float64(seed: int) -> None:
+    """Edges the fixed cases miss: one-token blocks, blocks wider than a key tile, a window of 1, contexts ending on
+    a block boundary, and chunks longer than one tile of queries (up to three tiles)."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def pick(options: list) -> Any:
+        return options[int(torch.randint(len(options), (1,), generator=gen))]
+
+    heads, kv_heads = pick([(4, 4), (4, 2), (6, 3), (8, 1)])
+    shape = Shape(heads, kv_heads, pick([16, 32, 40]), pick([None, 1, 7, 40]), 0.3)
+    block_size = pick([1, 4, 16, 32])
+    num_decode, num_chunks = (
+        int(torch.randint(0, 4, (1,), generator=gen)),
+        int(torch.randint(1, 3, (1,), generator=gen)),
+    )
+    query_lens = [1] * num_decode + [
+        int(n) for n in torch.randint(2, 3 * 64 // (heads // kv_heads), (num_chunks,), generator=gen)
+    ]
+    context_lens = [q + int(torch.randint(0, 50, (1,), generator=gen)) for q in query_lens]
+    context_lens[-1] = -(-context_lens[-1] // 16) * 16  # ends on a block boundary (for blocks of 1, 4 and 16)
+    case = make_case(shape, query_lens, context_lens, block_size, torch.float32, device=DEVICE, seed=seed)
+    out = run_kernel(case, shape, block_n=int(pick([16, 0])))
+    assert (out.double().cpu() - reference(case, shape)).abs().max().item() < 1e-5
 
 
 @runs_kernel
