@@ -16,7 +16,6 @@ mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 BUDGET=${GPU_CHECK_SECONDS:-450}  # the whole script; the benchmark gets what the tests leave
 export PYTHONUNBUFFERED=1 TRANSFORMERS_VERBOSITY=error HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-export TRITON_DEFAULT_FP_FUSION=1  # triton 3.9 warns unless told; 1 keeps its long-standing default
 SECONDS=0
 
 # 1. Wheels carried in .whl/ (scripts/gpu-wheels.txt): installed beside the image's packages, not over them.

@@ -209,6 +209,7 @@ def paged_attention(
             BLOCK_SIZE=block_size,
             USE_WINDOW=window is not None,
             IEEE=q.dtype == torch.float32,
+            enable_fp_fusion=True,  # fused multiply-adds, said outright: triton 3.9 warns on its default, 3.10 flips it
             **config,
         )
     return out

@@ -320,7 +320,9 @@ def test_kernel_compiles_for_h200_within_99_kib_of_shared_memory(
         else:
             signature[name] = "fp32" if name == "scale_log2" else "i32"
     compiled = triton.compile(
-        ASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}
+        ASTSource(kernel, signature, constants),
+        target=GPUTarget("cuda", 90, 32),
+        options={"num_warps": num_warps, "enable_fp_fusion": True},
     )
     assert compiled.asm["cubin"]
     assert compiled.metadata.shared <= 99 * 1024, config
