@@ -60,7 +60,10 @@ class DecodeGraphs:
         self.query_start_loc = torch.arange(rows + 1, dtype=torch.int32, device=device)  # one token per row
         self.logits_indices = torch.arange(rows, dtype=torch.int64, device=device)  # every row samples
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}  # per size: the graph's output, [size, vocab] float32
+        # per size: the graph's output, hidden states [size, hidden]. The LM head runs after the replay, on the rows
+        # that sample: kept in the graphs, one [size, vocab] float32 output per size would hold 2 GB for 1B Llama at
+        # --max-num-seqs 256 (sizes 1..256 sum to 4,231 rows of 128k logits)
+        self.hidden: dict[int, torch.Tensor] = {}
         self.capture_seconds = 0.0
 
     def _batch(self, size: int) -> Batch:
@@ -83,9 +86,6 @@ class DecodeGraphs:
             context_lens_cpu=[1] * size,
         )
 
-    def _logits(self, batch: Batch) -> torch.Tensor:
-        return self.decoder.compute_logits(self.decoder(batch))
-
     @torch.inference_mode()
     def capture(self) -> None:
         started = time.perf_counter()
@@ -93,11 +93,11 @@ class DecodeGraphs:
         for size in reversed(self.sizes):  # largest first: the smaller graphs reuse its memory from the shared pool
             # an eager run first: Triton compiles its kernel, the rotary tables and cuBLAS workspaces get built,
             # none of which may happen during capture
-            self._logits(self._batch(size))
+            self.decoder(self._batch(size))
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.logits[size] = self._logits(self._batch(size))
+                self.hidden[size] = self.decoder(self._batch(size))
             self.graphs[size] = graph
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - started
@@ -130,4 +130,4 @@ class DecodeGraphs:
             self.context_lens[n:size].fill_(1)
             self.block_tables[n:size, 0].fill_(self.scratch_block)
         self.graphs[size].replay()
-        return self.logits[size][batch.logits_indices]
+        return self.decoder.compute_logits(self.hidden[size][batch.logits_indices])

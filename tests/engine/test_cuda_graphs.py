@@ -60,7 +60,7 @@ class EmulatedGraph:
         batch.decode_block_ids = batch.block_tables.reshape(-1).long().clamp(min=0)
         visible = torch.arange(blocks * block_size) < batch.context_lens[:, None]
         batch.decode_mask = visible[:, None, None, :]
-        g.logits[self.size].copy_(g._logits(batch))
+        g.hidden[self.size].copy_(g.decoder(batch))
         dummies = (batch.slot_mapping == g.scratch_slot) & (batch.context_lens == 1)
         dummies &= batch.block_tables[:, 0] == g.scratch_block
         self.log.append((self.size, self.rows[-1], int(dummies.sum())))
@@ -74,7 +74,7 @@ def test_replay_protocol_gives_eager_tokens(mistral_folder: Path) -> None:
     replays: list[tuple[int, int, int]] = []  # (captured size, real rows, dummy rows) per replay
     rows: list[int] = []
     graphs.graphs = {s: EmulatedGraph(graphs, s, replays, rows) for s in graphs.sizes}  # type: ignore[misc]
-    graphs.logits = {s: torch.empty(s, runner.config.vocab_size) for s in graphs.sizes}
+    graphs.hidden = {s: torch.empty(s, runner.config.hidden_size) for s in graphs.sizes}
     replay = graphs.run
 
     def run_counting_rows(batch: Batch) -> torch.Tensor | None:
