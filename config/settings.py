@@ -29,6 +29,9 @@ class Settings(BaseSettings):
     torch_compile: bool = Field(
         False, description="CPU: torch.compile the decode step at start-up (needs a C++ compiler)"
     )
+    enforce_eager: bool = Field(
+        False, description="CUDA: run decode steps eagerly instead of replaying CUDA graphs captured at start-up"
+    )
     max_model_len: int = Field(0, description="context length; 0 = the model's own")
     chat_template: str = Field("", description="jinja file overriding the model's chat template")
     num_threads: int = Field(0, description="torch intra-op threads; 0 = torch's default")

@@ -15,12 +15,14 @@ from config import Settings
 from model.batch import Batch
 from model.config import ModelConfig
 from model.decoder import Decoder
+from model.engine.cuda_graphs import DecodeGraphs
 from model.engine.scheduler import ScheduledSeq
 from model.engine.sequence import SamplingParams, Sequence, TokenLogprob
 from model.layers.attention import flash_attn_usable
 from model.layers.linear import onednn_usable, pack_linears
 from model.layers.quantization import install_quantized, quantize
 from model.layers.sampler import Sampler, SamplingBatch
+from model.layers.triton_attention import triton_usable
 from model.loaders import load_config, read_weights
 
 log = logging.getLogger("llmserve.model_runner")
@@ -121,6 +123,21 @@ class ModelRunner:
         self.load_seconds = time.perf_counter() - started
         self.sampler = Sampler()
         self.num_blocks = self._allocate_kv_cache(settings)
+        self.decode_graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and not settings.enforce_eager:
+            if self.attention_backend == "torch-sdpa":
+                log.warning("CUDA graphs off: the torch attention path cannot be captured (install triton)")
+            else:
+                # the pool's extra block, past those the BlockManager hands out, takes the padding rows' K/V
+                self.decode_graphs = DecodeGraphs(
+                    self.decoder,
+                    settings.max_num_seqs,
+                    self.max_model_len,
+                    self.block_size,
+                    self.num_blocks,
+                    self.device,
+                )
+                self.decode_graphs.capture()
         self.compiled_forward: Callable[[Batch], torch.Tensor] | None = None
         self.compiled_one_row: Callable[[Batch], torch.Tensor] | None = None
         self.compile_seconds = 0.0
@@ -184,20 +201,26 @@ class ModelRunner:
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = int(free * settings.gpu_memory_utilization)
         num_blocks = max(1, budget // per_block)
-        shape = (num_blocks, self.block_size, c.num_kv_heads, c.head_dim)  # flash-attn's paged layout
+        # one more block than the BlockManager gets: scratch space for the dummy rows of a CUDA graph's padding
+        shape = (num_blocks + 1, self.block_size, c.num_kv_heads, c.head_dim)  # flash-attn's paged layout
         # flash-attn's paged kernel takes pages of a multiple of 256 tokens and 16-bit inputs
         use_flash = flash_attn_usable(self.device) and self.dtype != torch.float32 and self.block_size % 256 == 0
         if flash_attn_usable(self.device) and not use_flash:
             log.warning("flash-attn unused: it needs --block-size a multiple of 256 and a 16-bit --dtype")
+        # our Triton kernel takes any block size and dtype: the CUDA default when flash-attn cannot run
+        use_triton = not use_flash and triton_usable(self.device)
         for attn in self.decoder.attention_layers():
             attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
             attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
             attn.use_flash = use_flash
+            attn.use_triton = use_triton
+        log.info("attention backend: %s on %s", self.attention_backend, self.device)
         return num_blocks
 
     @property
     def attention_backend(self) -> str:
-        return "flash-attn" if self.decoder.attention_layers()[0].use_flash else "torch-sdpa"
+        attn = self.decoder.attention_layers()[0]
+        return "flash-attn" if attn.use_flash else "triton" if attn.use_triton else "torch-sdpa"
 
     def prepare(self, scheduled: list[ScheduledSeq]) -> Batch:
         input_ids: list[int] = []
@@ -245,7 +268,9 @@ class ModelRunner:
             query_lens_cpu=query_lens,
             context_lens_cpu=context_lens,
         )
-        if num_decode:
+        first = self.decoder.attention_layers()[0]
+        # the block views of the torch path: host work and a copy that flash-attn, Triton and CUDA graphs never read
+        if num_decode and not (first.use_flash or first.use_triton):
             nb = -(-max(context_lens[:num_decode]) // bs)
             batch.decode_blocks = nb
             batch.decode_block_ids = tensor([b for t in tables[:num_decode] for b in t[:nb]], torch.int64).clamp_(min=0)
@@ -259,7 +284,10 @@ class ModelRunner:
         or, for a row with proposals, the proposals the target agrees with and the target's next token."""
         batch = self.prepare(scheduled)
         rows = [s for s in scheduled if s.samples]
-        if self.compiled_one_row is not None and batch.num_seqs == batch.num_decode == 1:
+        graph_logits = self.decode_graphs.run(batch) if self.decode_graphs is not None and rows else None
+        if graph_logits is not None:
+            logits = graph_logits
+        elif self.compiled_one_row is not None and batch.num_seqs == batch.num_decode == 1:
             logits = self.compiled_one_row(batch)
         else:
             if self.compiled_forward is not None and batch.num_decode == batch.num_seqs:
