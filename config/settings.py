@@ -16,6 +16,10 @@ class Settings(BaseSettings):
     model: str = Field("", description="GGUF file or Hugging Face folder; empty = the embedded default model")
     served_model_name: str = Field("", description="model id in the API; empty = derived from --model")
     models_dir: Path = Field(Path("models"), description="where the default model is cached")
+    cache_dir: str = Field(
+        str(Path.home() / ".cache" / "llmserve"),
+        description="built tokenizers and compiled decode steps, reused by later starts; empty = no cache",
+    )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="auto: bfloat16 on CUDA and on CPUs with AVX512-BF16 or AMX, float32 on other CPUs"
     )
@@ -27,7 +31,9 @@ class Settings(BaseSettings):
     )
     prepack_weights: bool = Field(True, description="CPU: reorder linear weights once for oneDNN (about 2x MKL here)")
     torch_compile: bool = Field(
-        False, description="CPU: torch.compile the decode step at start-up (needs a C++ compiler)"
+        True,
+        description="CPU: torch.compile the decode step in the background while eager steps serve, switching when "
+        "it is ready and no request is running (needs a C++ compiler; kernels cached in --cache-dir)",
     )
     enforce_eager: bool = Field(
         False, description="CUDA: run decode steps eagerly instead of replaying CUDA graphs captured at start-up"

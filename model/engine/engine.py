@@ -4,6 +4,7 @@ Other threads talk to it through a thread-safe inbox (add / abort); outputs leav
 callback, called from the worker thread after every step."""
 
 import logging
+from pathlib import Path
 import queue
 import threading
 import time
@@ -58,7 +59,9 @@ class StepRecord:
 class Engine:
     def __init__(self, settings: Settings, tokenizer: Tokenizer | None = None, record_steps: bool = False) -> None:
         self.settings = settings
-        self.tokenizer = tokenizer or Tokenizer.load(settings.model_path, settings.chat_template)
+        self.tokenizer = tokenizer or Tokenizer.load(
+            settings.model_path, settings.chat_template, Path(settings.cache_dir) if settings.cache_dir else None
+        )
         self.runner = ModelRunner(settings, sorted(self.tokenizer.eos_token_ids))
         self.eos_token_ids = set(self.runner.eos_token_ids)  # one list for stopping and for min_tokens masking
         self._grammars: GrammarCache | None = None
@@ -124,7 +127,7 @@ class Engine:
             f"loaded in {self.runner.load_seconds:.1f}s"
             + (
                 f", decode step compiled in {self.runner.compile_seconds:.1f}s"
-                if self.runner.compiled_forward is not None
+                if self.runner.compile_seconds
                 else ""
             )
         )
@@ -260,6 +263,8 @@ class Engine:
 
     def step(self) -> list[StepOutput]:
         """Schedule, run the model once, and return what each sampling sequence produced."""
+        if not self.scheduler.running:
+            self.runner.activate_compiled()  # between requests: no running sequence changes kernels halfway
         self._propose()
         sched: SchedulerOutput = self.scheduler.schedule()
         self.num_steps += 1

@@ -2,6 +2,10 @@
 sampled tokens."""
 
 import logging
+import math
+import mmap
+import os
+import threading
 import shutil
 import time
 from collections.abc import Callable
@@ -97,6 +101,16 @@ def build_decoder(
     return decoder.eval()
 
 
+def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero tensor. On CPU it is anonymous memory from mmap: the kernel's zero pages, resident only once written,
+    so an idle server holds none of a KV pool it has not used (torch.zeros writes, and so keeps, every page)."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    size = math.prod(shape) * dtype.itemsize
+    # torch.frombuffer keeps the mapping alive as long as the tensor
+    return torch.frombuffer(mmap.mmap(-1, size), dtype=dtype).view(shape)
+
+
 class ModelRunner:
     def __init__(self, settings: Settings, eos_token_ids: list[int]) -> None:
         if settings.num_threads:
@@ -141,25 +155,54 @@ class ModelRunner:
         self.compiled_forward: Callable[[Batch], torch.Tensor] | None = None
         self.compiled_one_row: Callable[[Batch], torch.Tensor] | None = None
         self.compile_seconds = 0.0
-        if settings.torch_compile:
+        self.compile_error: str | None = None
+        self._compiled_ready: tuple[Callable[[Batch], torch.Tensor], Callable[[Batch], torch.Tensor]] | None = None
+        self._compile_done = threading.Event()
+        if settings.torch_compile and self.device.type == "cpu" and not c_compiler_found():
+            log.warning("decode step stays eager: torch.compile needs a C++ compiler (cc or gcc) on PATH")
+        if settings.torch_compile and self.device.type == "cpu" and c_compiler_found():
+            if settings.cache_dir:
+                # inductor's kernels survive restarts: a second start finds them and compiles in seconds
+                os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(settings.cache_dir) / "inductor"))
+            threading.Thread(target=self._compile_in_background, name="llmserve-compile", daemon=True).start()
+        else:
+            self._compile_done.set()
+
+    def _compile_in_background(self) -> None:
+        try:
             self._compile()
+        except Exception as exc:  # noqa: BLE001 - any compiler failure leaves the eager step, which is correct
+            self.compile_error = repr(exc)
+            log.exception("decode step stays eager: compiling it failed")
+        finally:
+            self._compile_done.set()
+
+    def wait_compiled(self, timeout: float | None = None) -> bool:
+        """Block until the background compile has ended (compiled or failed); True when it has."""
+        return self._compile_done.wait(timeout)
+
+    def activate_compiled(self) -> bool:
+        """Switch decode steps to the compiled graphs once they are ready. The engine calls it between steps when no
+        sequence is running, so no request changes kernels halfway. True when this call switched."""
+        ready, self._compiled_ready = self._compiled_ready, None
+        if ready is None:
+            return False
+        self.compiled_one_row, self.compiled_forward = ready
+        log.info("decode steps now run compiled (compiled in %.1fs)", self.compile_seconds)
+        return True
 
     def _compile(self) -> None:
-        """Compile the decode-only forward and trace it here, at start-up. Steps with prompt tokens stay eager: they
-        are bound by the matmuls, where the compiler saves nothing."""
-        if self.device.type != "cpu":
-            raise ValueError("--torch-compile is measured and tested on CPU only; on CUDA leave it off")
-        if not c_compiler_found():
-            raise ValueError("--torch-compile needs a C++ compiler (cc or gcc) on PATH; none found")
+        """Compile the decode-only forward and trace it, in a thread of its own while eager steps serve. Steps with
+        prompt tokens stay eager: they are bound by the matmuls, where the compiler saves nothing."""
         started = time.perf_counter()
+        scratch = self.num_blocks  # the pool's extra block, which the BlockManager never hands out
 
         def decode_rows(n: int, blocks: int = 1) -> list[ScheduledSeq]:
-            # sequences whose last token is new and whose context lies in block 0 (every entry of the block table),
-            # which nothing owns yet at start-up
+            # sequences whose last token is new and whose whole context lies in the scratch block
             length = (blocks - 1) * self.block_size + 2
             seqs = [Sequence(f"warmup-{i}", [0] * length, SamplingParams(max_tokens=1)) for i in range(n)]
             for seq in seqs:
-                seq.block_table, seq.num_computed_tokens = [0] * blocks, length - 1
+                seq.block_table, seq.num_computed_tokens = [scratch] * blocks, length - 1
             return [ScheduledSeq(seq, 1) for seq in seqs]
 
         # an eager step first builds what layers build lazily (the rotary tables), so the graph is not traced
@@ -167,14 +210,14 @@ class ModelRunner:
         self.run(decode_rows(1), [None])
         # One stream gets a graph of its own, LM head included, whose linears are GEMV loops (one_row_linear) and
         # whose attention reads the block table in its loops; only the number of blocks varies.
-        self.compiled_one_row = torch.compile(self._one_row_logits, dynamic=False)
-        self.compiled_forward = torch.compile(self.decoder, dynamic=True)
+        compiled_one_row = torch.compile(self._one_row_logits, dynamic=False)
+        compiled_forward = torch.compile(self.decoder, dynamic=True)
         with torch.inference_mode():
             batch = self.prepare(decode_rows(1, blocks=2))
             # the number of blocks as an unbacked size: a backed one would be specialized at 1, and guarded to a
             # range by inductor's reductions
             torch._dynamo.decorators.mark_unbacked(batch.block_tables, 1)
-            self.compiled_one_row(batch)
+            compiled_one_row(batch)
             batch = self.prepare(decode_rows(2))
             # the row count and the number of blocks as unbacked sizes: one graph serves every batch of two or more
             for rows in (
@@ -186,9 +229,10 @@ class ModelRunner:
             ):
                 torch._dynamo.decorators.mark_unbacked(rows, 0)
             torch._dynamo.decorators.mark_unbacked(batch.block_tables, 1)
-            self.compiled_forward(batch)
+            compiled_forward(batch)
         self.compile_seconds = time.perf_counter() - started
-        log.info("decode step compiled in %.1fs", self.compile_seconds)
+        self._compiled_ready = (compiled_one_row, compiled_forward)
+        log.info("decode step compiled in %.1fs; it takes over when no request is running", self.compile_seconds)
 
     def _one_row_logits(self, batch: Batch) -> torch.Tensor:
         return self.decoder.compute_logits(self.decoder(batch))
@@ -210,8 +254,8 @@ class ModelRunner:
         # our Triton kernel takes any block size and dtype: the CUDA default when flash-attn cannot run
         use_triton = not use_flash and triton_usable(self.device)
         for attn in self.decoder.attention_layers():
-            attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            attn.k_cache = zeroed(shape, self.dtype, self.device)
+            attn.v_cache = zeroed(shape, self.dtype, self.device)
             attn.use_flash = use_flash
             attn.use_triton = use_triton
         log.info("attention backend: %s on %s", self.attention_backend, self.device)

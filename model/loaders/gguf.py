@@ -42,11 +42,25 @@ PERMUTED_ARCHITECTURES = ("llama",)
 CHUNK_BYTES = 8 * 2**20
 
 
+class _Reader(gguf.GGUFReader):
+    """gguf's reader over a plain ndarray view of its np.memmap: the parser slices the file ~2 million times for a
+    49k-token vocabulary, and np.memmap's per-slice bookkeeping made that 3.3 of a 4.5 s parse here."""
+
+    @property  # type: ignore[override]
+    def data(self) -> np.ndarray:
+        return self._view
+
+    @data.setter
+    def data(self, mapping: np.memmap) -> None:
+        self.mapping = mapping
+        self._view = np.asarray(mapping)
+
+
 class GGUFFile:
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
         try:
-            self.reader = gguf.GGUFReader(str(self.path))
+            self.reader = _Reader(str(self.path))
         except Exception as exc:  # the gguf package raises assorted errors on truncated or corrupt files
             raise CheckpointFileError(f"{self.path}: not a readable GGUF file ({exc!r})") from exc
         size = self.path.stat().st_size
@@ -121,7 +135,7 @@ class GGUFFile:
     def _release(self, t: gguf.ReaderTensor) -> None:
         # drop this tensor's file pages from our resident set (the page cache keeps them),
         # as the safetensors reader does
-        mapping = getattr(self.reader.data, "_mmap", None)
+        mapping = getattr(self.reader.mapping, "_mmap", None)
         if mapping is not None and t.n_bytes:
             start = t.data_offset // mmap.PAGESIZE * mmap.PAGESIZE
             mapping.madvise(mmap.MADV_DONTNEED, start, t.data_offset + t.n_bytes - start)
