@@ -4,12 +4,12 @@ Other threads talk to it through a thread-safe inbox (add / abort); outputs leav
 callback, called from the worker thread after every step."""
 
 import logging
-from pathlib import Path
 import queue
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -125,11 +125,7 @@ class Engine:
             f"{self.block_manager.block_size} tokens = {self.kv_capacity_tokens} tokens "
             f"max_model_len={self.max_model_len} "
             f"loaded in {self.runner.load_seconds:.1f}s"
-            + (
-                f", decode step compiled in {self.runner.compile_seconds:.1f}s"
-                if self.runner.compile_seconds
-                else ""
-            )
+            + (f", decode step compiled in {self.runner.compile_seconds:.1f}s" if self.runner.compile_seconds else "")
         )
 
     # ---- called from any thread -------------------------------------------------------------------------------
@@ -196,8 +192,11 @@ class Engine:
 
     # ---- worker thread ---------------------------------------------------------------------------------------
     def _loop(self) -> None:
+        started = time.monotonic()
         try:
             while not self._stop.is_set():
+                if not self.scheduler.has_work() and (self.num_steps or time.monotonic() - started > 3):
+                    self.runner.start_compile()  # idle after the first answers, or 3 s without any request
                 outputs = self._drain_inbox(block=not self.scheduler.has_work())
                 if self.scheduler.has_work():
                     outputs += self.step()

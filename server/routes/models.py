@@ -40,4 +40,4 @@ async def health(request: Request) -> JSONResponse:
         )
     if state.async_engine.dead or not state.async_engine.engine.stats().is_alive:
         raise APIError(503, "the inference engine has stopped", code="engine_dead")
-    return JSONResponse({"status": "ok"})
+    return JSONResponse({"status": "ok", "decode_step": state.async_engine.engine.runner.decode_step_state})
