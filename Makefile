@@ -7,7 +7,7 @@ PORT ?= 8000
 ARGS ?=
 DEFAULT_MODEL := models/SmolLM2-135M-Instruct.Q4_1.gguf
 
-.PHONY: install model chromium serve lint test bench soak clean
+.PHONY: install model chromium serve lint test bench peer soak clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -43,8 +43,15 @@ lint: install
 test: install lint model chromium
 	$(PY) -m pytest -q -x -rs -p no:cacheprovider tests
 
+# llmserve (flags in ARGS; none = the defaults) against llama-server side by side, alternating; `make peer` first
 bench: install model
-	$(PY) bench/serve_bench.py --spawn --server-args "$(ARGS)" --concurrency 1 4 16 32 64 --out bench/RESULTS.md
+	$(PY) bench/versus.py --long-prompts --llmserve-args "$(ARGS)" --out bench/RESULTS.md
+
+# llama.cpp's llama-server, the peer `make bench` measures against, built into .peers/ (~10 minutes on 2 cores)
+PEER_SCRIPT ?= ../shared/peers/build-llama-server.sh
+peer:
+	@test -f $(PEER_SCRIPT) || { echo "no $(PEER_SCRIPT): set PEER_SCRIPT to the peers' build script"; exit 1; }
+	bash $(PEER_SCRIPT) .peers
 
 clean:
 	rm -rf $(VENV) models

@@ -189,7 +189,8 @@ class ModelRunner:
 
     def _compile_in_background(self) -> None:
         with contextlib.suppress(OSError):  # Linux: this thread (and the compiler processes it starts) yields the CPUs
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+            thread = threading.get_native_id()
+            os.setpriority(os.PRIO_PROCESS, thread, min(19, os.getpriority(os.PRIO_PROCESS, thread) + 10))
         try:
             with compiling_here():
                 self._compile()

@@ -70,9 +70,10 @@ def test_default_engine_agrees_with_the_float32_reference(
         theirs = reference.compute_logits(reference(single_sequence_batch(ids)))[-1]
         assert int(ours.argmax()) == int(theirs.argmax())
         errors.append(float((ours - theirs).abs().max()))
-    # bfloat16 activations and the kernels' bfloat16 scales: bench/quantization_quality.py measures 0.3-0.6 over
-    # 20 prompts, against logits up to ~35
-    assert max(errors) < 1.5, errors
+    # bfloat16 activations, the kernels' bfloat16 scales and the LM head's per-row int8: up to 1.54 over the 20
+    # prompts of bench/quantization_quality.py, against logits up to 35.2; float32 with the same int8/int4 weights
+    # (the rest of the error being the weights) stays under that
+    assert max(errors) < 2.0, errors
     engine = make_engine(quantization="auto", dtype="bfloat16", torch_compile=False)
     assert isinstance(engine, Engine)
     from model.engine.sequence import SamplingParams
