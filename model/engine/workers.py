@@ -16,6 +16,7 @@ heartbeats (ModelRunner.keepalive), so the others never wait that long for a ste
 import json
 import logging
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -90,7 +91,9 @@ class WorkerGroup:
             env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                    "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size),
                    "PYTHONPATH": pythonpath}  # fmt: skip
-            proc = subprocess.Popen([sys.executable, "-m", "model.engine.workers"], stdin=subprocess.PIPE, env=env)
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "model.engine.workers"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env
+            )
             assert proc.stdin is not None
             proc.stdin.write(payload)  # on stdin rather than argv: the settings may hold --api-key
             proc.stdin.close()
@@ -108,6 +111,22 @@ class WorkerGroup:
                     break
             time.sleep(WATCH_SECONDS)
 
+    def _wait_until_loaded(self) -> None:
+        """Each child writes a line to its stdout once its slice is loaded. Waiting for that first keeps the slow
+        part of start-up (a big model's load) out of the rendezvous, which --distributed-timeout bounds."""
+        pending = {proc.stdout: rank for rank, proc in enumerate(self.procs, start=1) if proc.stdout is not None}
+        while pending:
+            if self.failure is not None:
+                raise WorkerFailedError(f"{self.failure} while loading the model (its log is above)")
+            readable, _, _ = select.select(list(pending), [], [], WATCH_SECONDS)
+            for pipe in readable:
+                if pipe.readline().strip() == b"loaded":
+                    del pending[pipe]
+                else:  # end of file: the child is exiting; the watchdog says how
+                    time.sleep(2 * WATCH_SECONDS)
+                    if self.failure is None:
+                        self.failure = f"tensor-parallel rank {pending[pipe]} closed its pipe while loading"
+
     def connect(self) -> None:
         """Join the process group; blocks until every rank has loaded its slice and joined. Rank 0 keeps watching
         its children meanwhile: one that fails to load stops start-up at once, not after the timeout."""
@@ -115,6 +134,7 @@ class WorkerGroup:
             import torch
 
             torch.cuda.set_device(self.tp.local_rank)
+        self._wait_until_loaded()
         timeout = self.settings.distributed_timeout
         errors: list[BaseException] = []
 
@@ -174,11 +194,15 @@ class WorkerGroup:
             dist.destroy_process_group()
 
 
-def run_worker(settings: Settings) -> int:
-    """A rank other than 0: load this rank's slice, join the group, follow rank 0's steps until STOP."""
+def run_worker(settings: Settings, announce: bool = False) -> int:
+    """A rank other than 0: load this rank's slice, join the group, follow rank 0's steps until STOP. `announce`:
+    tell a parent rank 0 on stdout when the slice is loaded (WorkerGroup._wait_until_loaded)."""
     group = WorkerGroup(settings)
     rank = group.tp.rank
     runner = ModelRunner(settings, [], group.tp)
+    if announce:
+        sys.stdout.write("loaded\n")
+        sys.stdout.flush()
     group.connect()
     try:
         runner.follow()
@@ -201,7 +225,7 @@ def main() -> int:
         format=f"%(asctime)s %(levelname)s rank {rank} %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    return run_worker(settings)
+    return run_worker(settings, announce=True)
 
 
 if __name__ == "__main__":
