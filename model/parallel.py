@@ -80,6 +80,7 @@ class CollectiveStats:
 
     all_reduce_calls: int = 0
     all_reduce_seconds: float = 0.0
+    broadcast_seconds: float = 0.0  # sending each step's inputs (broadcast_object)
 
 
 @dataclass
@@ -119,6 +120,7 @@ class TensorParallel:
         and its bytes, two gloo broadcasts."""
         if self.world_size == 1:
             return obj
+        started = time.perf_counter()
         size = torch.zeros(1, dtype=torch.int64)
         if self.rank == 0:
             payload = torch.frombuffer(
@@ -129,6 +131,7 @@ class TensorParallel:
         if self.rank != 0:
             payload = torch.empty(int(size.item()), dtype=torch.uint8)
         dist.broadcast(payload, src=0, group=self._cpu_group)
+        self.stats.broadcast_seconds += time.perf_counter() - started
         return obj if self.rank == 0 else pickle.loads(payload.numpy().tobytes())
 
     def init_process_group(self, init_method: str, backend: str, timeout_s: float) -> None:

@@ -219,6 +219,9 @@ def run_worker(settings: Settings, announce: bool = False) -> int:
 def main() -> int:
     """`python -m model.engine.workers`, as rank 0 starts its children: Settings as JSON on stdin."""
     settings = Settings(**json.loads(sys.stdin.read()))
+    # Ctrl+C in a terminal reaches the whole process group: rank 0 drains its requests, which needs this rank
+    # until rank 0 sends STOP (or is gone)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     rank = os.environ.get("RANK", "?")
     logging.basicConfig(
         level=settings.log_level.upper(),
