@@ -169,11 +169,14 @@ class WorkerGroup:
         detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         if self.failure is not None:
             return f"{self.failure}; the step failed ({detail})"
-        if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
+        text = str(exc).lower()
+        if "timed out" in text or "timeout" in text:
             return (
                 f"a collective between the {self.tp.world_size} tensor-parallel ranks waited past "
                 f"--distributed-timeout ({self.settings.distributed_timeout:g} s): a rank hangs or is gone ({detail})"
             )
+        if "connection" in text:  # under torchrun the other ranks are not our children: gloo names the peer address
+            return f"a tensor-parallel rank closed its connection: it died or was stopped; see its log ({detail})"
         return f"tensor-parallel step failed: {type(exc).__name__}: {detail}"
 
     def shutdown(self, runner: ModelRunner | None) -> None:
