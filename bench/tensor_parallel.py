@@ -8,10 +8,14 @@ same dense float32 model, at each concurrency level (engine only, no HTTP; bench
 Both engines live in this process (it is rank 0 of the parallel one; its other ranks are child processes) and the
 levels alternate between them, so a change in machine load hits both alike. Rank 0's time inside all-reduces
 includes waiting for the slowest rank: with uneven slices (SmolLM2's 3 KV heads over 2 ranks) that is where the
-imbalance shows. Flags after `--` are `llmserve serve` flags for both engines."""
+imbalance shows, and so does the time a rank waits to be scheduled again on a busy machine. A last table times bare
+all-reduces of one step's shapes between two otherwise idle processes (the collective's own latency here and now).
+Flags after `--` are `llmserve serve` flags for both engines."""
 
 import argparse
 import os
+import socket
+import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -22,6 +26,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
 from engine_throughput import LevelResult, bench_settings, run_level  # noqa: E402
 
 from model.engine.engine import Engine  # noqa: E402
@@ -49,6 +55,35 @@ def measure(name: str, engine: Engine, threads: int, first_index: int, n: int, p
         (stats.all_reduce_calls - before[1]) / steps,
         1000 * (stats.broadcast_seconds - before[2]) / steps,
     )
+
+
+def _all_reduce_rank(
+    rank: int, world_size: int, port: int, shapes: list[tuple[int, int]], iters: int, out: dict
+) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    for rows, cols in shapes:
+        x = torch.randn(rows, cols)
+        times = []
+        for _ in range(iters):
+            started = time.perf_counter()
+            dist.all_reduce(x)
+            times.append(time.perf_counter() - started)
+        if rank == 0:
+            times.sort()
+            out[(rows, cols)] = (statistics.median(times), times[int(0.9 * len(times))])
+    dist.destroy_process_group()
+
+
+def all_reduce_latency(world_size: int, shapes: list[tuple[int, int]], iters: int = 300) -> dict:
+    """(median, p90) seconds of one gloo all-reduce per shape, between world_size fresh processes doing nothing else."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.spawn(_all_reduce_rank, args=(world_size, port, shapes, iters, out), nprocs=world_size)
+        return dict(out)
 
 
 def main() -> None:
@@ -101,6 +136,13 @@ def main() -> None:
         )
     for _, engine, _ in engines:
         engine.shutdown()
+
+    hidden = parallel.runner.config.hidden_size
+    shapes = [(1, hidden), (16, hidden), (146, hidden)]  # a decode row, 16 decode rows, a prompt chunk
+    print(f"\nbare gloo all-reduce, {ranks} processes, float32, load average {os.getloadavg()[0]:.1f}:\n")
+    print("| shape | median us | p90 us |\n|---|---:|---:|")
+    for (rows, cols), (median, p90) in all_reduce_latency(ranks, shapes).items():
+        print(f"| [{rows}, {cols}] | {1e6 * median:.0f} | {1e6 * p90:.0f} |")
 
 
 if __name__ == "__main__":
