@@ -7,7 +7,7 @@ import logging
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -48,7 +48,7 @@ class StepInputs:
     query_lens: list[int]
     context_lens: list[int]
     logits_indices: list[int]  # empty: no row samples, so no LM head this step
-    tables: list[list[int]] = field(default_factory=list)  # block tables, -1 padded
+    tables: list[list[int]]  # block tables, -1 padded
 
 
 class WorkerCommand(enum.Enum):
@@ -106,28 +106,36 @@ def build_decoder(
     return decoder.eval()
 
 
+def tensor_parallel_settings(settings: Settings, tp: TensorParallel) -> Settings:
+    """At world size > 1: dense linears (int4/int8 groups are not cut along the slices' boundaries) and, on CPU with
+    --dtype auto, float32 (the exact reference, whatever a single process defaults to); no --torch-compile yet."""
+    if tp.world_size == 1:
+        return settings
+    if settings.torch_compile:
+        raise ValueError("--torch-compile does not support --tensor-parallel-size > 1 yet; leave it off")
+    update: dict[str, str] = {}
+    if settings.quantization != "none":
+        log.warning("--tensor-parallel-size %d: --quantization %s ignored, dense linears", tp.world_size,
+                    settings.quantization)  # fmt: skip
+        update["quantization"] = "none"
+    if settings.dtype == "auto" and resolve_device(settings.device).type == "cpu":
+        update["dtype"] = "float32"
+    settings = settings.model_copy(update=update)
+    log.info("tensor-parallel rank %d of %d: dense linears, --dtype %s", tp.rank, tp.world_size, settings.dtype)
+    return settings
+
+
 class ModelRunner:
     def __init__(self, settings: Settings, eos_token_ids: list[int], tp: TensorParallel = SINGLE) -> None:
         """`tp`: this rank's place in a tensor-parallel group (its process group joined before the first step)."""
         if settings.num_threads:
             torch.set_num_threads(settings.num_threads)
         self.tp = tp
+        settings = tensor_parallel_settings(settings, tp)
         self.device = resolve_device(settings.device)
         if self.device.type == "cuda" and tp.world_size > 1:
-            self.device = torch.device("cuda", tp.local_rank)
-        quantization = settings.quantization
+            self.device = torch.device("cuda", tp.local_rank)  # one GPU per rank
         self.dtype = resolve_dtype(settings.dtype, self.device)
-        if tp.world_size > 1:
-            if settings.torch_compile:
-                raise ValueError("--torch-compile does not support --tensor-parallel-size > 1 yet; leave it off")
-            if quantization != "none":  # int4/int8 groups are not cut along shard boundaries; dense is exact
-                log.warning("--tensor-parallel-size %d: --quantization %s ignored, dense linears", tp.world_size,
-                            quantization)  # fmt: skip
-                quantization = "none"
-            if settings.dtype == "auto" and self.device.type == "cpu":
-                self.dtype = torch.float32  # the exact reference, whatever a single process defaults to
-            log.info("tensor-parallel rank %d of %d: dense %s linears on %s", tp.rank, tp.world_size,
-                     str(self.dtype).removeprefix("torch."), self.device)  # fmt: skip
         self.config = load_config(settings.model_path)
         self.max_model_len = settings.max_model_len or self.config.max_position_embeddings
         self.block_size = settings.block_size
@@ -141,7 +149,7 @@ class ModelRunner:
             self.max_model_len,
             self.dtype,
             self.device,
-            quantization,
+            settings.quantization,
             settings.prepack_weights,
             keep_weights=settings.torch_compile,
             tp=tp,

@@ -1,5 +1,6 @@
 """Tensor parallelism on CPU (gloo, 2 ranks) against the same model on one rank, for every family of
-tests/model/families.py: Gemma 3's single KV head is the case of fewer KV heads than ranks (replicated).
+tests/model/families.py (Gemma 3's single KV head is the case of fewer KV heads than ranks: replicated) and a Llama
+whose sizes do not divide by 2 (3 KV heads, 99 MLP columns, 97 vocabulary rows: uneven slices and a padded one).
 
 Both ranks are started as torchrun would start them (tests/parallel/ranks.py); this process computes the one-rank
 reference meanwhile. Then a hung rank: the engine stops with an error naming the timeout, it does not wait forever."""
@@ -16,11 +17,12 @@ from typing import Any
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
 
 from config import Settings
 from model.engine.engine import Engine
 from model.engine.sequence import SamplingParams
-from tests.model.families import FAMILIES, build_hf, load_ours, make_tokenizer, our_logits, save_hf
+from tests.model.families import BASE, FAMILIES, build_hf, load_ours, make_tokenizer, our_logits, randomize, save_hf
 from tests.parallel.ranks import (
     DECODE_STEPS,
     ENGINE_PROMPTS,
@@ -30,6 +32,7 @@ from tests.parallel.ranks import (
 )
 
 ROOT = Path(__file__).resolve().parents[2]
+MODELS = [*FAMILIES, "llama-uneven"]
 # float32 sums in another order (each rank's partial products, then the all-reduce): at most 3.1e-6 observed here
 TOL = 2e-5
 
@@ -45,6 +48,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], dict
     """(one rank's results, two ranks' results) per family: prefill logits, greedy tokens and their logits."""
     root = tmp_path_factory.mktemp("tensor-parallel")
     folders = {family: save_hf(build_hf(family), root / family) for family in FAMILIES}
+    uneven = LlamaConfig(**{**BASE, "vocab_size": 97, "hidden_size": 48, "intermediate_size": 99,
+                            "num_attention_heads": 6, "num_key_value_heads": 3})  # fmt: skip
+    model = AutoModelForCausalLM.from_config(uneven, dtype=torch.float32)
+    randomize(model)
+    folders["llama-uneven"] = save_hf(model, root / "llama-uneven")
     job, output = root / "job.json", root / "two-ranks.pt"
     job.write_text(json.dumps({"families": {f: str(p) for f, p in folders.items()}, "output": str(output)}))
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2",
@@ -72,7 +80,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], dict
     return reference, torch.load(output)
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", MODELS)
 def test_prefill_logits_equal_one_rank(runs: tuple[dict[str, Any], dict[str, Any]], family: str) -> None:
     one, two = runs[0][family], runs[1][family]
     for reference, logits in zip(one["prefill"], two["prefill"], strict=True):
@@ -80,7 +88,7 @@ def test_prefill_logits_equal_one_rank(runs: tuple[dict[str, Any], dict[str, Any
         assert (logits - reference).abs().max().item() <= TOL
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", MODELS)
 def test_greedy_tokens_identical_and_step_logits_equal(
     runs: tuple[dict[str, Any], dict[str, Any]], family: str
 ) -> None:
@@ -94,7 +102,7 @@ def test_greedy_tokens_identical_and_step_logits_equal(
         assert (logits - reference).abs().max().item() <= TOL
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", MODELS)
 def test_each_rank_holds_about_half_of_the_weights(runs: tuple[dict[str, Any], dict[str, Any]], family: str) -> None:
     one, two = runs[0][family], runs[1][family]
     # not exactly half: norms are replicated, and so are Gemma 3's K/V projections (one KV head, two ranks)
