@@ -130,3 +130,21 @@ def test_a_hung_rank_stops_the_engine_with_a_timeout_error(tmp_path: Path) -> No
     finally:
         child.kill()
         engine.shutdown()
+
+
+def test_a_rank_that_dies_while_loading_fails_start_up_at_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from model.engine import workers
+
+    spawn = workers.WorkerGroup._spawn
+
+    def spawn_then_kill(self: workers.WorkerGroup, port: int) -> None:
+        spawn(self, port)
+        self.procs[0].kill()  # dies before it has loaded anything
+
+    monkeypatch.setattr(workers.WorkerGroup, "_spawn", spawn_then_kill)
+    folder = save_hf(build_hf("llama3"), tmp_path / "llama3")
+    settings = Settings(model=str(folder), kv_cache_memory=4 * 2**20, tensor_parallel_size=2, distributed_timeout=600)
+    started = time.monotonic()
+    with pytest.raises(workers.WorkerFailedError, match=r"rank 1 \(pid \d+\) was killed by signal 9 .* while loading"):
+        Engine(settings, tokenizer=make_tokenizer())
+    assert time.monotonic() - started < 60, "start-up waited for the timeout instead of watching its children"
