@@ -48,6 +48,8 @@ class EngineStats:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     error: str | None = None  # why the worker thread stopped, once it has (a tensor-parallel rank died, ...)
+    tensor_parallel_size: int = 1
+    all_reduce_seconds: float = 0.0  # rank 0's time inside all-reduces, waiting for the other ranks included
 
 
 @dataclass(slots=True)
@@ -219,6 +221,8 @@ class Engine:
             spec_draft_tokens=self.spec_draft_tokens,
             spec_accepted_tokens=self.spec_accepted_tokens,
             error=self.failure,
+            tensor_parallel_size=self.runner.tp.world_size,
+            all_reduce_seconds=self.runner.tp.stats.all_reduce_seconds,
         )
 
     # ---- worker thread ---------------------------------------------------------------------------------------

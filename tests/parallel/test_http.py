@@ -66,6 +66,8 @@ def test_streamed_greedy_text_equals_one_rank(
             reference = reference[:-1]
         assert text == default_tokenizer.decode(reference, skip_special_tokens=True)
     assert "Paris" in texts[0]
+    metrics = live.metrics()
+    assert metrics["llmserve:tensor_parallel_size"] == 2 and metrics["llmserve:all_reduce_seconds_total"] > 0
 
 
 # the engine thread ends by re-raising the collective's error, which pytest reports as an unhandled thread exception
