@@ -206,6 +206,7 @@ def run_worker(settings: Settings, announce: bool = False) -> int:
     if announce:
         sys.stdout.write("loaded\n")
         sys.stdout.flush()
+        os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # nobody reads the pipe any more: a full one would block
     group.connect()
     try:
         runner.follow()
