@@ -83,6 +83,9 @@ class Settings(BaseSettings):
     distributed_timeout: float = Field(
         60.0, gt=0, description="seconds a collective between ranks may wait before a rank counts as hung or gone"
     )
+    cpu_all_reduce: Literal["shm", "gloo"] = Field(
+        "shm", description="CPU ranks all on this machine: all-reduce through shared memory (x86) or through gloo"
+    )
 
     @property
     def model_path(self) -> Path:

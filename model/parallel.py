@@ -10,8 +10,12 @@ The decoder asks this module two things: its slices (arithmetic on rank and worl
 group exists, so a rank loads only its own slice) and the collectives (torch.distributed's default group; at world
 size 1 they return their input, so a single process runs the same decoder code)."""
 
+import os
 import pickle
+import socket
 import time
+import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -20,6 +24,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+from model import shm_all_reduce
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,15 +98,26 @@ class TensorParallel:
     world_size: int = 1
     local_rank: int = 0  # the CUDA device index of this rank on its node
     stats: CollectiveStats = field(default_factory=CollectiveStats)
+    # why another rank is gone, when this process can tell (rank 0 watches its children), else None: a shared-memory
+    # all-reduce looks at it while it waits
+    failure_check: Callable[[], str | None] | None = None
     # step metadata travels on a gloo group even when the tensors use NCCL (a pickled plan is host data)
     _cpu_group: Any = None
+    _shm: shm_all_reduce.ShmAllReduce | None = None  # CPU ranks on one machine
+
+    @property
+    def all_reduce_backend(self) -> str:
+        return "shared memory" if self._shm is not None else str(dist.get_backend()) if dist.is_initialized() else "-"
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum x over ranks, in place (the partial products of a row-parallel layer)."""
         if self.world_size == 1:
             return x
         started = time.perf_counter()
-        dist.all_reduce(x)
+        if self._shm is not None and self._shm.fits(x):  # the same choice on every rank: shapes are the same
+            self._shm.all_reduce(x)
+        else:
+            dist.all_reduce(x)
         self.stats.all_reduce_calls += 1
         self.stats.all_reduce_seconds += time.perf_counter() - started
         return x
@@ -134,14 +151,32 @@ class TensorParallel:
         self.stats.broadcast_seconds += time.perf_counter() - started
         return obj if self.rank == 0 else pickle.loads(payload.numpy().tobytes())
 
-    def init_process_group(self, init_method: str, backend: str, timeout_s: float) -> None:
+    def init_process_group(self, init_method: str, backend: str, timeout_s: float, shared_memory: bool = True) -> None:
         """Join the group (blocks until every rank has). `timeout_s` bounds every collective afterwards: a rank that
-        hangs makes the others' next collective raise instead of waiting forever."""
+        hangs makes the others' next collective raise instead of waiting forever. `shared_memory`: gloo ranks that
+        all run on this machine all-reduce through shared memory (model/shm_all_reduce.py)."""
         timeout = timedelta(seconds=timeout_s)
         dist.init_process_group(backend, init_method=init_method, rank=self.rank, world_size=self.world_size,
                                 timeout=timeout)  # fmt: skip
         if backend != "gloo":
             self._cpu_group = dist.new_group(backend="gloo", timeout=timeout)
+        elif shared_memory and shm_all_reduce.usable():
+            hosts: list[str | None] = [None] * self.world_size
+            dist.all_gather_object(hosts, socket.gethostname())
+            if len(set(hosts)) == 1:
+                self._map_shared_memory(timeout_s)
+
+    def _map_shared_memory(self, timeout_s: float) -> None:
+        path = f"/dev/shm/llmserve-tp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        if self.rank == 0:  # created before its name is sent
+            self._shm = shm_all_reduce.ShmAllReduce(path, 0, self.world_size, True, timeout_s, self.failure_check)
+        path = self.broadcast_object(path)  # rank 0's name
+        if self.rank != 0:
+            self._shm = shm_all_reduce.ShmAllReduce(path, self.rank, self.world_size, False, timeout_s,
+                                                    self.failure_check)  # fmt: skip
+        dist.barrier()
+        if self.rank == 0:
+            os.unlink(path)  # every rank has it mapped: the name is not needed, and a crash leaves nothing behind
 
 
 SINGLE = TensorParallel()

@@ -81,6 +81,8 @@ class WorkerGroup:
             self.init_method = f"tcp://127.0.0.1:{port}"
             self._spawn(port)
         self.tp = TensorParallel(rank, world_size, local_rank)
+        if self.procs:
+            self.tp.failure_check = lambda: self.failure  # a child's exit, seen by the watchdog
         self.backend = "nccl" if resolve_device(settings.device).type == "cuda" else "gloo"
 
     def _spawn(self, port: int) -> None:
@@ -140,7 +142,9 @@ class WorkerGroup:
 
         def join() -> None:
             try:
-                self.tp.init_process_group(self.init_method, self.backend, timeout)
+                self.tp.init_process_group(
+                    self.init_method, self.backend, timeout, self.settings.cpu_all_reduce == "shm"
+                )
             except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
                 errors.append(exc)
 
@@ -152,7 +156,8 @@ class WorkerGroup:
                 raise WorkerFailedError(f"{self.failure} while starting (its log is above)")
         if errors:
             raise errors[0]
-        log.info("rank %d joined the %s group of %d ranks", self.tp.rank, self.backend, self.tp.world_size)
+        log.info("rank %d joined the %s group of %d ranks (all-reduce: %s)", self.tp.rank, self.backend,
+                 self.tp.world_size, self.tp.all_reduce_backend)  # fmt: skip
 
     def check(self) -> None:
         """Raise WorkerFailedError once the watchdog has seen a child exit."""
@@ -202,6 +207,9 @@ def run_worker(settings: Settings, announce: bool = False) -> int:
     tell a parent rank 0 on stdout when the slice is loaded (WorkerGroup._wait_until_loaded)."""
     group = WorkerGroup(settings)
     rank = group.tp.rank
+    if announce:  # our parent is rank 0: its end is ours
+        parent = os.getppid()
+        group.tp.failure_check = lambda: "rank 0 exited" if os.getppid() != parent else None
     runner = ModelRunner(settings, [], group.tp)
     if announce:
         sys.stdout.write("loaded\n")

@@ -33,7 +33,8 @@ def test_two_torchrun_nodes_serve_one_rank_s_greedy_text(tmp_path: Path) -> None
     folder = save_hf(build_hf("llama3"), tmp_path / "llama3")
     tokenizer = make_tokenizer()
     tokenizer.hf.save_pretrained(folder)  # the server loads its tokenizer from the folder
-    limits = ["--kv-cache-memory", str(4 * 2**20), "--max-model-len", "256"]
+    # gloo's all-reduce here (the other tests use shared memory): two real nodes would not share memory either
+    limits = ["--kv-cache-memory", str(4 * 2**20), "--max-model-len", "256", "--cpu-all-reduce", "gloo"]
     master, http = free_port(), free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     nodes = [
