@@ -4,12 +4,14 @@ same dense float32 model, at each concurrency level (engine only, no HTTP; bench
     .venv/bin/python bench/tensor_parallel.py                     # 2 ranks x 1 thread vs 1 process x 2 threads
     .venv/bin/python bench/tensor_parallel.py --quick             # 1 and 16 streams, 32 generated tokens
     .venv/bin/python bench/tensor_parallel.py --concurrency 1 16 --gen-tokens 64 -- --model my.gguf
+    .venv/bin/python bench/tensor_parallel.py -- --cpu-all-reduce gloo   # gloo's all-reduce instead of shared memory
 
 Both engines live in this process (it is rank 0 of the parallel one; its other ranks are child processes) and the
 levels alternate between them, so a change in machine load hits both alike. Rank 0's time inside all-reduces
 includes waiting for the slowest rank: with uneven slices (SmolLM2's 3 KV heads over 2 ranks) that is where the
 imbalance shows, and so does the time a rank waits to be scheduled again on a busy machine. A last table times bare
-all-reduces of one step's shapes between two otherwise idle processes (the collective's own latency here and now).
+all-reduces of one step's shapes between two otherwise idle processes, through gloo and through shared memory (the
+collectives' own latency here and now).
 Flags after `--` are `llmserve serve` flags for both engines."""
 
 import argparse
@@ -31,6 +33,7 @@ import torch.multiprocessing as mp  # noqa: E402
 from engine_throughput import LevelResult, bench_settings, run_level  # noqa: E402
 
 from model.engine.engine import Engine  # noqa: E402
+from model.parallel import TensorParallel  # noqa: E402
 
 
 @dataclass(slots=True)
@@ -61,22 +64,26 @@ def _all_reduce_rank(
     rank: int, world_size: int, port: int, shapes: list[tuple[int, int]], iters: int, out: dict
 ) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
-    for rows, cols in shapes:
-        x = torch.randn(rows, cols)
-        times = []
-        for _ in range(iters):
-            started = time.perf_counter()
-            dist.all_reduce(x)
-            times.append(time.perf_counter() - started)
-        if rank == 0:
-            times.sort()
-            out[(rows, cols)] = (statistics.median(times), times[int(0.9 * len(times))])
+    tp = TensorParallel(rank, world_size)
+    tp.init_process_group(f"tcp://127.0.0.1:{port}", "gloo", 60, shared_memory=True)
+    assert tp._shm is not None
+    for name, reduce in (("gloo", dist.all_reduce), ("shared memory", tp._shm.all_reduce)):
+        for rows, cols in shapes:
+            x = torch.randn(rows, cols)
+            times = []
+            for _ in range(iters):
+                started = time.perf_counter()
+                reduce(x)
+                times.append(time.perf_counter() - started)
+            if rank == 0:
+                times.sort()
+                out[(name, rows, cols)] = (statistics.median(times), times[int(0.9 * len(times))])
     dist.destroy_process_group()
 
 
 def all_reduce_latency(world_size: int, shapes: list[tuple[int, int]], iters: int = 300) -> dict:
-    """(median, p90) seconds of one gloo all-reduce per shape, between world_size fresh processes doing nothing else."""
+    """(median, p90) seconds of one all-reduce per (gloo or shared memory, shape), between world_size fresh
+    processes doing nothing else."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -109,7 +116,7 @@ def main() -> None:
     parallel = Engine(bench_settings([*flags, "--num-threads", str(per_rank), "--tensor-parallel-size", str(ranks)]))
     engines = [(f"1 process x {ranks * per_rank} threads", single, ranks * per_rank),
                (f"{ranks} ranks x {per_rank} thread{'s' if per_rank > 1 else ''}", parallel, per_rank)]  # fmt: skip
-    print(f"# tensor parallelism, CPU\n\n{parallel.describe()}")
+    print(f"# tensor parallelism, CPU\n\n{parallel.describe()}, all-reduce: {parallel.runner.tp.all_reduce_backend}")
     print(
         f"torch {torch.__version__}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}, "
         f"prompt ~{args.prompt_tokens} tokens, {gen} generated (greedy, EOS ignored), {time.strftime('%Y-%m-%d')}\n"
@@ -139,10 +146,10 @@ def main() -> None:
 
     hidden = parallel.runner.config.hidden_size
     shapes = [(1, hidden), (16, hidden), (146, hidden)]  # a decode row, 16 decode rows, a prompt chunk
-    print(f"\nbare gloo all-reduce, {ranks} processes, float32, load average {os.getloadavg()[0]:.1f}:\n")
-    print("| shape | median us | p90 us |\n|---|---:|---:|")
-    for (rows, cols), (median, p90) in all_reduce_latency(ranks, shapes).items():
-        print(f"| [{rows}, {cols}] | {1e6 * median:.0f} | {1e6 * p90:.0f} |")
+    print(f"\nbare all-reduce, {ranks} processes, float32, load average {os.getloadavg()[0]:.1f}:\n")
+    print("| all-reduce | shape | median us | p90 us |\n|---|---|---:|---:|")
+    for (name, rows, cols), (median, p90) in all_reduce_latency(ranks, shapes).items():
+        print(f"| {name} | [{rows}, {cols}] | {1e6 * median:.0f} | {1e6 * p90:.0f} |")
 
 
 if __name__ == "__main__":
