@@ -1,10 +1,10 @@
 """All-reduce through shared memory, for CPU ranks on one machine.
 
-gloo's all-reduce of one decode row takes ~0.23 ms here, and a rank blocked in it sleeps: on a busy machine it then
-waits to be scheduled again at each of a step's 61 all-reduces (bench/tensor_parallel.py measured ~95 ms of a 120 ms
-step). Here each rank copies its tensor into its own slot of a shared buffer, publishes a sequence number, and
-yields the CPU (sched_yield) until every rank has published; then every rank sums the slots in the same order, so
-all ranks hold bitwise-identical results, as the replicated residual stream needs. ~15 us per all-reduce here.
+gloo's all-reduce of one decode row takes ~0.35 ms here (p90 ~4 ms), and a rank blocked in it sleeps, to be woken
+at each of a step's 61 all-reduces: bench/tensor_parallel.py measured 78-105 ms of a 100-130 ms step spent in them.
+Here each rank copies its tensor into its own slot of a shared buffer, publishes a sequence number, and yields the
+CPU (sched_yield) until every rank has published; then every rank sums the slots in the same order, so all ranks
+hold bitwise-identical results, as the replicated residual stream needs. 10-40 us per all-reduce here.
 
 Two buffers alternate: a rank writes buffer k % 2 only after every rank published all-reduce k - 1, which each did
 after reading buffer (k - 2) % 2, so one meeting per all-reduce suffices. The sequence number is stored after the
@@ -19,7 +19,10 @@ from pathlib import Path
 
 import torch
 
-SLOT_BYTES = 8 * 2**20  # per rank and buffer: an all-reduce of 2M float32 values; larger ones go through gloo
+# per rank and buffer: an all-reduce of 1M float32 values (256 tokens of a 4096-wide model); larger ones go through
+# gloo. The file is sparse: /dev/shm holds only the pages touched, at most 2 x ranks x this (a container's default
+# /dev/shm is 64 MB: docker-compose.yml gives the tp profile more)
+SLOT_BYTES = 4 * 2**20
 CHECK_EVERY = 256  # yields between looks at the clock and at the liveness check
 
 
