@@ -44,14 +44,16 @@ class ShmAllReduce:
         timeout_s: float,
         failure: Callable[[], str | None] | None = None,
     ) -> None:
-        flags_bytes = 64 * world_size  # one int64 per rank, a cache line apart: no false sharing while spinning
-        size = flags_bytes + 2 * world_size * SLOT_BYTES
+        header_bytes = 64 * world_size  # a cache line per rank: no false sharing while spinning
+        size = header_bytes + 2 * world_size * SLOT_BYTES
         if create:
             with open(path, "wb") as f:
                 f.truncate(size)
         raw = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
-        self.flags = raw[:flags_bytes].view(torch.int64)[:: 64 // 8]  # [world_size], strided by a cache line
-        self.slots = raw[flags_bytes:].view(2, world_size, SLOT_BYTES)
+        header = raw[:header_bytes].view(torch.int64).view(world_size, 8)
+        self.flags, self.pids = header[:, 0], header[:, 1]  # [world_size] each: sequence numbers, process ids
+        self.pids[rank] = os.getpid()  # read by the others only after the caller's barrier
+        self.slots = raw[header_bytes:].view(2, world_size, SLOT_BYTES)
         self.rank, self.world_size = rank, world_size
         self.timeout_s, self.failure = timeout_s, failure
         self.seq = 0
@@ -80,11 +82,24 @@ class ShmAllReduce:
                 continue
             now = time.monotonic()
             deadline = deadline or now + self.timeout_s
-            reason = self.failure() if self.failure is not None else None
+            reason = self.failure() if self.failure is not None else self._gone()
             if reason is not None:
                 raise RuntimeError(f"shared-memory all-reduce abandoned: {reason}")
-            if now > deadline:
+            if now > deadline:  # alive but not coming: stopped, or stuck
                 late = [r for r in range(self.world_size) if int(self.flags[r]) < self.seq]
                 raise RuntimeError(
                     f"shared-memory all-reduce timed out after {self.timeout_s:g} s waiting for rank(s) {late}"
                 )
+
+    def _gone(self) -> str | None:
+        """A rank we wait for whose process no longer exists (the ranks share this machine's process ids)."""
+        for rank in range(self.world_size):
+            pid = int(self.pids[rank])
+            if int(self.flags[rank]) < self.seq and pid:
+                try:
+                    os.kill(pid, 0)
+                except ProcessLookupError:
+                    return f"rank {rank} (pid {pid}) has exited"
+                except PermissionError:
+                    pass  # exists, under another user
+        return None

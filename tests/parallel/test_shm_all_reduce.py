@@ -51,3 +51,16 @@ def test_a_known_failure_ends_the_wait_at_once(tmp_path: Path) -> None:
     alone = ShmAllReduce(str(tmp_path / "buffer"), 0, 2, True, timeout_s=60, failure=lambda: "rank 1 was killed")
     with pytest.raises(RuntimeError, match="abandoned: rank 1 was killed"):
         alone.all_reduce(torch.ones(4))
+
+
+def test_a_rank_whose_process_is_gone_ends_the_wait_at_once(tmp_path: Path) -> None:
+    import subprocess
+
+    path = str(tmp_path / "buffer")
+    alone = ShmAllReduce(path, 0, 2, True, timeout_s=60)
+    other = ShmAllReduce(path, 1, 2, False, timeout_s=60)
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # reaped: its process id no longer exists
+    other.pids[1] = dead.pid  # as if rank 1 had been that process
+    with pytest.raises(RuntimeError, match=rf"abandoned: rank 1 \(pid {dead.pid}\) has exited"):
+        alone.all_reduce(torch.ones(4))
