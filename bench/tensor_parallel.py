@@ -109,9 +109,11 @@ def main() -> None:
     gen = 32 if args.quick else args.gen_tokens
     ranks, per_rank = args.ranks, args.threads_per_rank
 
-    # dense float32 in both, whatever the single-process defaults are; a long timeout, since the parallel engine's
-    # ranks wait idle while the other engine runs its level (no engine thread sends heartbeats here)
-    flags = ["serve", "--dtype", "float32", "--quantization", "none", "--distributed-timeout", "3600", *server_flags]
+    # dense float32 and eager steps in both, whatever the single-process defaults are (ranks run that way); a long
+    # timeout, since the parallel engine's ranks wait idle while the other engine runs its level (no engine thread
+    # sends heartbeats here)
+    flags = ["serve", "--dtype", "float32", "--quantization", "none", "--no-torch-compile", "--distributed-timeout",
+             "3600", *server_flags]  # fmt: skip
     single = Engine(bench_settings([*flags, "--num-threads", str(ranks * per_rank)]))
     parallel = Engine(bench_settings([*flags, "--num-threads", str(per_rank), "--tensor-parallel-size", str(ranks)]))
     engines = [(f"1 process x {ranks * per_rank} threads", single, ranks * per_rank),

@@ -16,16 +16,27 @@ class Settings(BaseSettings):
     model: str = Field("", description="GGUF file or Hugging Face folder; empty = the embedded default model")
     served_model_name: str = Field("", description="model id in the API; empty = derived from --model")
     models_dir: Path = Field(Path("models"), description="where the default model is cached")
+    cache_dir: str = Field(
+        str(Path.home() / ".cache" / "llmserve"),
+        description="built tokenizers and compiled decode steps, reused by later starts; empty = no cache",
+    )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="auto: float32 on CPU, bfloat16 on CUDA"
+        "auto", description="auto: bfloat16 on CUDA and on CPUs with AVX512-BF16 or AMX, float32 on other CPUs"
     )
     device: str = Field("auto", description="auto, cpu or cuda[:N]")
-    quantization: Literal["none", "int8", "int4"] = Field(
-        "none", description="weight-only quantization of linear layers (CPU)"
+    quantization: Literal["auto", "none", "int8", "int4"] = Field(
+        "auto",
+        description="CPU linear layers: auto = the checkpoint's own (a GGUF's Q4_0/Q4_1/Q4_K as int4, Q8_0 as int8), "
+        "none = dequantized to --dtype (the exact reference in float32), int8/int4 = requantize every layer",
     )
     prepack_weights: bool = Field(True, description="CPU: reorder linear weights once for oneDNN (about 2x MKL here)")
     torch_compile: bool = Field(
-        False, description="CPU: torch.compile the decode step at start-up (needs a C++ compiler)"
+        True,
+        description="CPU: torch.compile the decode step in the background while eager steps serve, switching when "
+        "it is ready and no request is running (needs a C++ compiler; kernels cached in --cache-dir)",
+    )
+    enforce_eager: bool = Field(
+        False, description="CUDA: run decode steps eagerly instead of replaying CUDA graphs captured at start-up"
     )
     max_model_len: int = Field(0, description="context length; 0 = the model's own")
     chat_template: str = Field("", description="jinja file overriding the model's chat template")

@@ -3,7 +3,7 @@ Architecture differences are ModelConfig fields; checkpoint names are mapped by 
 Under tensor parallelism each rank allocates only its slice of every layer (model/parallel.py) and load_weights
 copies only that slice out of each checkpoint tensor."""
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import ClassVar, cast
 
@@ -16,7 +16,8 @@ from model.layers.attention import PagedAttention
 from model.layers.mlp import GatedMLP
 from model.layers.norm import RMSNorm
 from model.layers.rotary import RotaryEmbedding
-from model.parallel import SINGLE, Span, TensorParallel, VocabParallelEmbedding, head_shard, split
+from model.parallel import SINGLE, Span, TensorParallel, VocabParallelEmbedding, head_shard, split, vocab_shard
+from model.qtensor import GroupQuantized
 
 
 class WeightError(ValueError):
@@ -117,13 +118,15 @@ class Decoder(nn.Module):
             local_rope = RotaryEmbedding(
                 c.head_dim, max_positions, c.local_rope_theta, c.local_rope_scaling, c.rotary_dim
             )
+        # this rank's vocabulary rows; kept here as well, since quantization may replace the embedding module
+        self.vocab = vocab_shard(c.vocab_size, tp.world_size, tp.rank)
         self.embed_tokens = VocabParallelEmbedding(c.vocab_size, c.hidden_size, tp)
         self.layers = nn.ModuleList(
             DecoderLayer(c, global_rope if w is None else local_rope, w, tp) for w in c.layer_windows
         )
         self.norm = _norm(c, c.hidden_size)
         # this rank's vocabulary rows, like the embedding's (tied or not); compute_logits gathers them on rank 0
-        self.lm_head = nn.Linear(c.hidden_size, self.embed_tokens.shard.size, bias=False)
+        self.lm_head = nn.Linear(c.hidden_size, self.vocab.size, bias=False)
         self.tie_weights()
 
     @classmethod
@@ -173,11 +176,19 @@ class Decoder(nn.Module):
         cap = self.config.final_logit_softcapping
         return torch.tanh(logits / cap) * cap if cap else logits
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(
+        self,
+        weights: Iterable[tuple[str, torch.Tensor | GroupQuantized]],
+        on_quantized: Callable[[str, GroupQuantized], None] | None = None,
+    ) -> None:
         """Copy checkpoint tensors (transformers names) into our parameters; every parameter must be filled once.
-        Raises WeightError naming the tensor on an unexpected, missing or wrongly shaped tensor."""
+        Raises WeightError naming the tensor on an unexpected, missing or wrongly shaped tensor.
+
+        A quantized tensor goes to `on_quantized` (our parameter name, all its shards joined) once every shard of
+        the parameter has come quantized alike; shards of a parameter the checkpoint mixes are dequantized into it."""
         params = dict(self.named_parameters())  # a tied lm_head.weight is listed once, as embed_tokens.weight
         filled: dict[str, set[int]] = {name: set() for name in params}
+        pending: dict[str, dict[int, GroupQuantized]] = {}  # quantized shards of parameters not yet complete
         for hf_name, tensor in weights:
             if "rotary_emb." in hf_name:
                 continue
@@ -189,18 +200,40 @@ class Decoder(nn.Module):
             if name not in params:
                 raise WeightError(f"unexpected tensor {hf_name!r} in the checkpoint")
             param, layout = params[name].data, self._split(name)
-            shards = [shard] if shard is not None else list(range(max(1, len(layout.parts))))
+            shards = [shard] if shard is not None else list(range(self._num_shards(name)))
             expected = list(param.shape)  # the checkpoint's whole tensor, not this rank's slice of it
             if layout.parts:
                 expected[layout.dim] = sum(layout.parts[i][0] for i in shards)
             if tuple(tensor.shape) != tuple(expected):
                 raise WeightError(f"tensor {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(expected)}")
-            self._copy_slice(param, tensor, layout, shards)
+            if isinstance(tensor, GroupQuantized) and on_quantized is not None and not filled[name]:
+                # kept quantized: one process only (a rank loads dense, model_runner.tensor_parallel_settings)
+                assert self.tp.world_size == 1, "quantized weights are not split across ranks"
+                parts = pending.setdefault(name, {})
+                parts[min(shards)] = tensor
+                if shard is not None and len(parts) < self._num_shards(name):
+                    continue  # the other shards of this fused parameter are still to come
+                del pending[name]
+                joined = [parts[i] for i in sorted(parts)]
+                if len({p.bits for p in joined}) == 1:
+                    on_quantized(name, GroupQuantized.cat(joined) if len(joined) > 1 else joined[0])
+                    filled[name] = set(range(self._num_shards(name)))
+                    continue
+                for i, part in parts.items():  # 4- and 8-bit shards in one matrix: dense
+                    self._copy_slice(param, part.dequantize(), layout, [i])
+                filled[name] = set(parts)
+                continue
+            self._copy_slice(
+                param, tensor.dequantize() if isinstance(tensor, GroupQuantized) else tensor, layout, shards
+            )
             filled[name] |= set(shards)
+            for i, part in pending.pop(name, {}).items():  # quantized shards beside a dense one: all dense
+                self._copy_slice(param, part.dequantize(), layout, [i])
+                filled[name].add(i)
         missing = [
-            self._checkpoint_name(name, shard if len(self._split(name).parts) > 1 else None)
+            self._checkpoint_name(name, shard if self._num_shards(name) > 1 else None)
             for name, shards in filled.items()
-            for shard in range(max(1, len(self._split(name).parts)))
+            for shard in range(self._num_shards(name))
             if shard not in shards
         ]
         if missing:
@@ -255,6 +288,10 @@ class Decoder(nn.Module):
                 break
         return name if name.startswith("lm_head.") else f"model.{name}"
 
+    def _num_shards(self, name: str) -> int:
+        """Checkpoint tensors fused into parameter `name` (q, k, v: 3; gate, up: 2; else 1)."""
+        return max(1, len(self._split(name).parts))
+
     def _split(self, name: str) -> Split:
         """How our parameter `name` is cut across ranks (whole, Split(), at world size 1 and for norms)."""
         c, tp = self.config, self.tp
@@ -270,5 +307,5 @@ class Decoder(nn.Module):
             if fragment in name:  # row parallel: the weight's columns; the bias once
                 return Split(1, (part,)) if name.endswith(".weight") else Split(first_rank_only=True)
         if name in ("embed_tokens.weight", "lm_head.weight"):
-            return Split(0, ((c.vocab_size, self.embed_tokens.shard),))
+            return Split(0, ((c.vocab_size, self.vocab),))
         return Split()

@@ -1,8 +1,13 @@
 """The model's tokenizer and chat template (via transformers), for GGUF files and Hugging Face folders."""
 
+import hashlib
+import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
+import transformers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 
@@ -14,10 +19,12 @@ class Tokenizer:
             self.hf.chat_template = chat_template
 
     @classmethod
-    def load(cls, model_path: Path, chat_template_file: str = "") -> "Tokenizer":
+    def load(cls, model_path: Path, chat_template_file: str = "", cache_dir: Path | None = None) -> "Tokenizer":
+        """cache_dir: where a GGUF's tokenizer is kept once built (tokenizer.json and its config), so that later
+        starts read it in ~0.3 s instead of building it from the file's vocabulary again (~3.7 s here)."""
         model_path = Path(model_path)
         if model_path.is_file():  # GGUF: transformers builds a fast tokenizer from the file's metadata
-            hf = AutoTokenizer.from_pretrained(str(model_path.parent), gguf_file=model_path.name)
+            hf = _cached_gguf_tokenizer(model_path, cache_dir) if cache_dir else _gguf_tokenizer(model_path)
         else:
             hf = AutoTokenizer.from_pretrained(str(model_path))
         eos = {hf.eos_token_id} if hf.eos_token_id is not None else set()
@@ -54,6 +61,29 @@ class Tokenizer:
         assert isinstance(text, str)  # tokenize=False: the rendered text
         # The template already wrote any BOS it wants; do not add another.
         return self.encode(text, add_special_tokens=False)
+
+
+def _gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase:
+    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+def _cached_gguf_tokenizer(path: Path, cache_dir: Path) -> PreTrainedTokenizerBase:
+    stat = path.resolve().stat()
+    key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}"
+    folder = Path(cache_dir) / "tokenizers" / hashlib.sha256(key.encode()).hexdigest()[:24]
+    if (folder / "tokenizer.json").exists():
+        return AutoTokenizer.from_pretrained(str(folder))
+    hf = _gguf_tokenizer(path)
+    staging = None
+    try:  # written aside and renamed, so that a concurrent start never reads half a folder
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(dir=folder.parent))
+        hf.save_pretrained(str(staging))
+        os.replace(staging, folder)
+    except OSError:  # a read-only or full cache only costs the next start its time
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
+    return hf
 
 
 def _extra_eos_ids(hf: PreTrainedTokenizerBase) -> set[int]:

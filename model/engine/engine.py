@@ -9,6 +9,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -71,7 +72,9 @@ class Engine:
         """`tp`: a tensor-parallel group whose process group and other ranks the caller runs (tests); without it,
         --tensor-parallel-size > 1 starts the other ranks here (model/engine/workers.py)."""
         self.settings = settings
-        self.tokenizer = tokenizer or Tokenizer.load(settings.model_path, settings.chat_template)
+        self.tokenizer = tokenizer or Tokenizer.load(
+            settings.model_path, settings.chat_template, Path(settings.cache_dir) if settings.cache_dir else None
+        )
         self.workers: WorkerGroup | None = None
         if tp is None and settings.tensor_parallel_size > 1:
             self.workers = WorkerGroup(settings)  # the other ranks load their slices while this one loads its own
@@ -148,11 +151,7 @@ class Engine:
             f"max_model_len={self.max_model_len} "
             + (f"tensor_parallel={self.runner.tp.world_size} " if self.runner.tp.world_size > 1 else "")
             + f"loaded in {self.runner.load_seconds:.1f}s"
-            + (
-                f", decode step compiled in {self.runner.compile_seconds:.1f}s"
-                if self.runner.compiled_forward is not None
-                else ""
-            )
+            + (f", decode step compiled in {self.runner.compile_seconds:.1f}s" if self.runner.compile_seconds else "")
         )
 
     # ---- called from any thread -------------------------------------------------------------------------------
@@ -299,6 +298,8 @@ class Engine:
 
     def step(self) -> list[StepOutput]:
         """Schedule, run the model once, and return what each sampling sequence produced."""
+        if not self.scheduler.running:
+            self.runner.activate_compiled()  # between requests: no running sequence changes kernels halfway
         self._propose()
         sched: SchedulerOutput = self.scheduler.schedule()
         self.num_steps += 1

@@ -4,7 +4,11 @@ rank 0's runs the steps and sends each step's inputs to the others, whose runner
 
 import enum
 import logging
+import math
+import mmap
+import os
 import shutil
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,12 +21,14 @@ from config import Settings
 from model.batch import Batch
 from model.config import ModelConfig
 from model.decoder import Decoder
+from model.engine.cuda_graphs import DecodeGraphs
 from model.engine.scheduler import ScheduledSeq
 from model.engine.sequence import SamplingParams, Sequence, TokenLogprob
 from model.layers.attention import flash_attn_usable
 from model.layers.linear import onednn_usable, pack_linears
-from model.layers.quantization import quantize
+from model.layers.quantization import install_quantized, quantize
 from model.layers.sampler import Sampler, SamplingBatch
+from model.layers.triton_attention import triton_usable
 from model.loaders import load_config, read_weights
 from model.parallel import SINGLE, TensorParallel, head_shard
 
@@ -71,9 +77,19 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def cpu_has_bfloat16() -> bool:
+    """AVX512-BF16 or AMX: the CPU multiplies bfloat16 natively, so 16-bit activations halve what moves through
+    memory at no loss of speed; without them torch emulates bfloat16, slower than float32."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return " avx512_bf16" in flags or " amx_bf16" in flags
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return torch.bfloat16 if device.type == "cuda" or cpu_has_bfloat16() else torch.float32
     return DTYPES[name]
 
 
@@ -94,35 +110,52 @@ def build_decoder(
     tp: TensorParallel = SINGLE,
 ) -> Decoder:
     """Allocate the decoder (this rank's slice) without random init, stream the checkpoint into it tensor by tensor,
-    then give its linear layers their CPU form: quantized, or reordered once for oneDNN."""
+    then give its linear layers their CPU form: quantized, or reordered once for oneDNN.
+
+    quantization auto: on CPU, a GGUF's 4- and 8-bit matrices become int4 / int8 layers as they are read (their own
+    values, no float copy of the model); float tensors, and everything on CUDA, stay in `dtype`."""
+    if quantization not in ("auto", "none") and device.type != "cpu":
+        raise ValueError(f"--quantization {quantization} runs on CPU only; on {device.type} use --dtype bfloat16")
     decoder = Decoder.allocate(config, max_positions, dtype, device, tp)
-    decoder.load_weights(read_weights(path, config))
-    if quantization != "none":
-        if device.type != "cpu":
-            raise ValueError(f"--quantization {quantization} runs on CPU only; on {device.type} use --dtype bfloat16")
+    own_quantized = quantization == "auto" and onednn_usable(device, torch.bfloat16)
+    decoder.load_weights(
+        read_weights(path, config, keep_quantized=own_quantized),
+        on_quantized=lambda name, weight: install_quantized(decoder, name, weight, dtype),
+    )
+    if quantization in ("int8", "int4"):
         quantize(decoder, quantization)
     elif prepack_weights and onednn_usable(device, dtype):
-        pack_linears(decoder, keep_weights)
+        pack_linears(decoder, keep_weights)  # the linears still dense
     return decoder.eval()
 
 
 def tensor_parallel_settings(settings: Settings, tp: TensorParallel) -> Settings:
-    """At world size > 1: dense linears (int4/int8 groups are not cut along the slices' boundaries) and, on CPU with
-    --dtype auto, float32 (the exact reference, whatever a single process defaults to); no --torch-compile yet."""
+    """A rank of a group of more than one: dense linears (int4/int8 groups are not cut along the slices' boundaries),
+    float32 on CPU under --dtype auto (the exact reference), and eager steps (no torch.compile, no CUDA graphs: the
+    collectives and the per-step broadcast are not in those graphs yet)."""
     if tp.world_size == 1:
         return settings
-    if settings.torch_compile:
-        raise ValueError("--torch-compile does not support --tensor-parallel-size > 1 yet; leave it off")
-    update: dict[str, str] = {}
-    if settings.quantization != "none":
+    update: dict[str, str | bool] = {"torch_compile": False, "enforce_eager": True}
+    if settings.quantization in ("int8", "int4"):
         log.warning("--tensor-parallel-size %d: --quantization %s ignored, dense linears", tp.world_size,
                     settings.quantization)  # fmt: skip
-        update["quantization"] = "none"
+    update["quantization"] = "none"
     if settings.dtype == "auto" and resolve_device(settings.device).type == "cpu":
         update["dtype"] = "float32"
     settings = settings.model_copy(update=update)
-    log.info("tensor-parallel rank %d of %d: dense linears, --dtype %s", tp.rank, tp.world_size, settings.dtype)
+    log.info("tensor-parallel rank %d of %d: dense linears, --dtype %s, eager steps", tp.rank, tp.world_size,
+             settings.dtype)  # fmt: skip
     return settings
+
+
+def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero tensor. On CPU it is anonymous memory from mmap: the kernel's zero pages, resident only once written,
+    so an idle server holds none of a KV pool it has not used (torch.zeros writes, and so keeps, every page)."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    size = math.prod(shape) * dtype.itemsize
+    # torch.frombuffer keeps the mapping alive as long as the tensor
+    return torch.frombuffer(mmap.mmap(-1, size), dtype=dtype).view(shape)
 
 
 class ModelRunner:
@@ -157,30 +190,74 @@ class ModelRunner:
         self.load_seconds = time.perf_counter() - started
         self.sampler = Sampler()
         self.num_blocks = self._allocate_kv_cache(settings)
+        self.decode_graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and not settings.enforce_eager:
+            if self.attention_backend == "torch-sdpa":
+                log.warning("CUDA graphs off: the torch attention path cannot be captured (install triton)")
+            else:
+                # the pool's extra block, past those the BlockManager hands out, takes the padding rows' K/V
+                self.decode_graphs = DecodeGraphs(
+                    self.decoder,
+                    settings.max_num_seqs,
+                    self.max_model_len,
+                    self.block_size,
+                    self.num_blocks,
+                    self.device,
+                )
+                self.decode_graphs.capture()
         self.compiled_forward: Callable[[Batch], torch.Tensor] | None = None
         self.compiled_one_row: Callable[[Batch], torch.Tensor] | None = None
         self.compile_seconds = 0.0
         self.heartbeat_seconds = min(HEARTBEAT_SECONDS, settings.distributed_timeout / 3)
         self._last_broadcast = time.monotonic()
-        if settings.torch_compile:
+        self.compile_error: str | None = None
+        self._compiled_ready: tuple[Callable[[Batch], torch.Tensor], Callable[[Batch], torch.Tensor]] | None = None
+        self._compile_done = threading.Event()
+        if settings.torch_compile and self.device.type == "cpu" and not c_compiler_found():
+            log.warning("decode step stays eager: torch.compile needs a C++ compiler (cc or gcc) on PATH")
+        if settings.torch_compile and self.device.type == "cpu" and c_compiler_found():
+            if settings.cache_dir:
+                # inductor's kernels survive restarts: a second start finds them and compiles in seconds
+                os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(settings.cache_dir) / "inductor"))
+            threading.Thread(target=self._compile_in_background, name="llmserve-compile", daemon=True).start()
+        else:
+            self._compile_done.set()
+
+    def _compile_in_background(self) -> None:
+        try:
             self._compile()
+        except Exception as exc:  # noqa: BLE001 - any compiler failure leaves the eager step, which is correct
+            self.compile_error = repr(exc)
+            log.exception("decode step stays eager: compiling it failed")
+        finally:
+            self._compile_done.set()
+
+    def wait_compiled(self, timeout: float | None = None) -> bool:
+        """Block until the background compile has ended (compiled or failed); True when it has."""
+        return self._compile_done.wait(timeout)
+
+    def activate_compiled(self) -> bool:
+        """Switch decode steps to the compiled graphs once they are ready. The engine calls it between steps when no
+        sequence is running, so no request changes kernels halfway. True when this call switched."""
+        ready, self._compiled_ready = self._compiled_ready, None
+        if ready is None:
+            return False
+        self.compiled_one_row, self.compiled_forward = ready
+        log.info("decode steps now run compiled (compiled in %.1fs)", self.compile_seconds)
+        return True
 
     def _compile(self) -> None:
-        """Compile the decode-only forward and trace it here, at start-up. Steps with prompt tokens stay eager: they
-        are bound by the matmuls, where the compiler saves nothing."""
-        if self.device.type != "cpu":
-            raise ValueError("--torch-compile is measured and tested on CPU only; on CUDA leave it off")
-        if not c_compiler_found():
-            raise ValueError("--torch-compile needs a C++ compiler (cc or gcc) on PATH; none found")
+        """Compile the decode-only forward and trace it, in a thread of its own while eager steps serve. Steps with
+        prompt tokens stay eager: they are bound by the matmuls, where the compiler saves nothing."""
         started = time.perf_counter()
+        scratch = self.num_blocks  # the pool's extra block, which the BlockManager never hands out
 
         def decode_rows(n: int, blocks: int = 1) -> list[ScheduledSeq]:
-            # sequences whose last token is new and whose context lies in block 0 (every entry of the block table),
-            # which nothing owns yet at start-up
+            # sequences whose last token is new and whose whole context lies in the scratch block
             length = (blocks - 1) * self.block_size + 2
             seqs = [Sequence(f"warmup-{i}", [0] * length, SamplingParams(max_tokens=1)) for i in range(n)]
             for seq in seqs:
-                seq.block_table, seq.num_computed_tokens = [0] * blocks, length - 1
+                seq.block_table, seq.num_computed_tokens = [scratch] * blocks, length - 1
             return [ScheduledSeq(seq, 1) for seq in seqs]
 
         # an eager step first builds what layers build lazily (the rotary tables), so the graph is not traced
@@ -188,14 +265,14 @@ class ModelRunner:
         self.run(decode_rows(1), [None])
         # One stream gets a graph of its own, LM head included, whose linears are GEMV loops (one_row_linear) and
         # whose attention reads the block table in its loops; only the number of blocks varies.
-        self.compiled_one_row = torch.compile(self._one_row_logits, dynamic=False)
-        self.compiled_forward = torch.compile(self.decoder, dynamic=True)
+        compiled_one_row = torch.compile(self._one_row_logits, dynamic=False)
+        compiled_forward = torch.compile(self.decoder, dynamic=True)
         with torch.inference_mode():
             batch = self.prepare(decode_rows(1, blocks=2))
             # the number of blocks as an unbacked size: a backed one would be specialized at 1, and guarded to a
             # range by inductor's reductions
             torch._dynamo.decorators.mark_unbacked(batch.block_tables, 1)
-            self.compiled_one_row(batch)
+            compiled_one_row(batch)
             batch = self.prepare(decode_rows(2))
             # the row count and the number of blocks as unbacked sizes: one graph serves every batch of two or more
             for rows in (
@@ -207,9 +284,10 @@ class ModelRunner:
             ):
                 torch._dynamo.decorators.mark_unbacked(rows, 0)
             torch._dynamo.decorators.mark_unbacked(batch.block_tables, 1)
-            self.compiled_forward(batch)
+            compiled_forward(batch)
         self.compile_seconds = time.perf_counter() - started
-        log.info("decode step compiled in %.1fs", self.compile_seconds)
+        self._compiled_ready = (compiled_one_row, compiled_forward)
+        log.info("decode step compiled in %.1fs; it takes over when no request is running", self.compile_seconds)
 
     def _one_row_logits(self, batch: Batch) -> torch.Tensor:
         return self.decoder.compute_logits(self.decoder(batch))
@@ -224,20 +302,26 @@ class ModelRunner:
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = int(free * settings.gpu_memory_utilization)
         num_blocks = max(1, budget // per_block)
-        shape = (num_blocks, self.block_size, heads.kv.size, c.head_dim)  # flash-attn's paged layout
+        # one more block than the BlockManager gets: scratch space for the dummy rows of a CUDA graph's padding
+        shape = (num_blocks + 1, self.block_size, heads.kv.size, c.head_dim)  # flash-attn's paged layout
         # flash-attn's paged kernel takes pages of a multiple of 256 tokens and 16-bit inputs
         use_flash = flash_attn_usable(self.device) and self.dtype != torch.float32 and self.block_size % 256 == 0
         if flash_attn_usable(self.device) and not use_flash:
             log.warning("flash-attn unused: it needs --block-size a multiple of 256 and a 16-bit --dtype")
+        # our Triton kernel takes any block size and dtype: the CUDA default when flash-attn cannot run
+        use_triton = not use_flash and triton_usable(self.device)
         for attn in self.decoder.attention_layers():
-            attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            attn.k_cache = zeroed(shape, self.dtype, self.device)
+            attn.v_cache = zeroed(shape, self.dtype, self.device)
             attn.use_flash = use_flash
+            attn.use_triton = use_triton
+        log.info("attention backend: %s on %s", self.attention_backend, self.device)
         return num_blocks
 
     @property
     def attention_backend(self) -> str:
-        return "flash-attn" if self.decoder.attention_layers()[0].use_flash else "torch-sdpa"
+        attn = self.decoder.attention_layers()[0]
+        return "flash-attn" if attn.use_flash else "triton" if attn.use_triton else "torch-sdpa"
 
     def prepare(self, scheduled: list[ScheduledSeq]) -> Batch:
         return self._batch(self._step_inputs(scheduled))
@@ -292,7 +376,9 @@ class ModelRunner:
             query_lens_cpu=query_lens,
             context_lens_cpu=context_lens,
         )
-        if num_decode:
+        first = self.decoder.attention_layers()[0]
+        # the block views of the torch path: host work and a copy that flash-attn, Triton and CUDA graphs never read
+        if num_decode and not (first.use_flash or first.use_triton):
             nb = -(-max(context_lens[:num_decode]) // bs)
             batch.decode_blocks = nb
             batch.decode_block_ids = tensor([b for t in tables[:num_decode] for b in t[:nb]], torch.int64).clamp_(min=0)
@@ -308,7 +394,10 @@ class ModelRunner:
         self._send(inputs)  # the other ranks run the same forward, joining its all-reduces
         batch = self._batch(inputs)
         rows = [s for s in scheduled if s.samples]
-        if self.compiled_one_row is not None and batch.num_seqs == batch.num_decode == 1:
+        graph_logits = self.decode_graphs.run(batch) if self.decode_graphs is not None and rows else None
+        if graph_logits is not None:
+            logits = graph_logits
+        elif self.compiled_one_row is not None and batch.num_seqs == batch.num_decode == 1:
             logits = self.compiled_one_row(batch)
         else:
             if self.compiled_forward is not None and batch.num_decode == batch.num_seqs:

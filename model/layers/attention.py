@@ -1,6 +1,7 @@
 """Paged attention. K/V of the new tokens are written into the block pool through `slot_mapping`; queries read
-the context through `block_tables`. Two backends: flash-attn's paged varlen kernel on CUDA, and an exact torch
-path (scaled_dot_product_attention) everywhere else.
+the context through `block_tables`. Three backends: flash-attn's paged varlen kernel on CUDA when it is installed,
+our Triton FlashAttention kernel (triton_attention.py) on CUDA otherwise, and an exact torch path
+(scaled_dot_product_attention) everywhere else.
 
 Under torch.compile (decode-only steps) the attention is traced into the graph instead (`_traced_decode`): the cache
 write as an index_put_ on the layer's own pool buffer, which inductor keeps in place, and keys and values read
@@ -11,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model.batch import Batch
+from model.layers.triton_attention import paged_attention
 
 try:  # optional GPU extra
     from flash_attn import flash_attn_varlen_func  # type: ignore[import-not-found]
@@ -38,6 +40,7 @@ class PagedAttention(nn.Module):
         self.register_buffer("k_cache", torch.empty(0), persistent=False)
         self.register_buffer("v_cache", torch.empty(0), persistent=False)
         self.use_flash = False
+        self.use_triton = False  # set by the ModelRunner on CUDA without flash-attn
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Batch) -> torch.Tensor:
         # q: [T, H, D], k/v: [T, KVH, D] -> [T, H, D]
@@ -48,6 +51,19 @@ class PagedAttention(nn.Module):
             self.v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, batch.slot_mapping, v)
         if self.use_flash:
             return self._flash(q, batch)
+        if self.use_triton:
+            return paged_attention(
+                q,
+                self.k_cache,
+                self.v_cache,
+                batch.block_tables,
+                batch.context_lens,
+                batch.query_start_loc,
+                batch.num_decode,
+                batch.max_query_len,
+                self.scale,
+                self.window,
+            )
         return self._torch(q, k, v, batch)
 
     def _flash(self, q: torch.Tensor, batch: Batch) -> torch.Tensor:

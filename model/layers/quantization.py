@@ -1,15 +1,22 @@
 """Weight-only quantization of linear layers, as gpt-fast does: single-stream decode on a CPU is bound by the bytes
 of weights read per token, and these read a quarter (int8) or an eighth (int4) of float32's. Activations go through
 the kernels in bfloat16, the input type torch's CPU int8/int4 kernels are fast for (AVX512-BF16 / AMX); in float32
-and float16 they are 20-100x slower here."""
+and float16 they are 20-100x slower here.
+
+Two ways in: `quantize` turns a loaded float model's linears into int8 or int4 (--quantization int8 / int4), and
+`install_quantized` builds a layer straight from a checkpoint's own quantized tensor (--quantization auto: a GGUF's
+Q4_0 / Q4_1 / Q4_K run as int4 on their own values, scales and minimums, Q8_0 as int8), with no float copy."""
 
 import torch
 from torch import nn
 
 from model.layers.linear import PackedLinear, is_one_row, one_row_linear, onednn_usable
+from model.qtensor import GROUP, GroupQuantized
 
 # int4 group: 32 input columns share a scale and a zero, as in GGUF's Q4_0/Q4_1 and the sub-blocks of Q4_K
-INT4_GROUP = 32
+INT4_GROUP = GROUP
+# rows requantized at a time from a grouped int8 tensor to per-row scales (bounds the float32 temporary)
+REQUANT_ROWS = 4096
 
 
 class WeightOnlyLinear(nn.Module):
@@ -19,7 +26,8 @@ class WeightOnlyLinear(nn.Module):
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+        # the same Parameter: a checkpoint's bias may be loaded into it after the layer was replaced
+        self.bias = linear.bias
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError  # [N, in] bfloat16 -> [N, out]
@@ -31,15 +39,32 @@ class WeightOnlyLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+def int8_per_row(weight: torch.Tensor | GroupQuantized) -> tuple[torch.Tensor, torch.Tensor]:
+    """[out, in] -> (int8 [out, in], float32 scale per row), symmetric; a grouped tensor (Q8_0) is dequantized and
+    requantized REQUANT_ROWS rows at a time, since torch's int8 kernel takes one scale per row."""
+    q = torch.empty(weight.shape, dtype=torch.int8)
+    scales = torch.empty(weight.shape[0])
+    for start in range(0, weight.shape[0], REQUANT_ROWS):
+        end = min(start + REQUANT_ROWS, weight.shape[0])
+        if isinstance(weight, GroupQuantized):
+            part = GroupQuantized(8, weight.q[start:end], weight.scale[start:end]).dequantize()
+        else:
+            part = weight[start:end].detach().float()
+        row_scales = part.abs().amax(dim=1).clamp(min=1e-8) / 127.0
+        q[start:end] = torch.round(part / row_scales[:, None]).clamp(-127, 127)
+        scales[start:end] = row_scales
+    return q, scales
+
+
 class Int8Linear(WeightOnlyLinear):
     weight: torch.Tensor  # buffers (register_buffer below)
     scales: torch.Tensor
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, weight: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """weight: (int8 [out, in], float32 scale per row) to use instead of quantizing linear's own weight."""
         super().__init__(linear)
-        w = linear.weight.detach().float()  # [out, in]
-        scales = w.abs().amax(dim=1).clamp(min=1e-8) / 127.0  # [out]
-        self.register_buffer("weight", torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8))
+        q, scales = weight if weight is not None else int8_per_row(linear.weight)
+        self.register_buffer("weight", q)
         self.register_buffer("scales", scales.to(torch.bfloat16))
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
@@ -56,29 +81,28 @@ class Int8Linear(WeightOnlyLinear):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-channel"
 
 
-def int4_quantize(weight: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """[out, in] float -> (q [out, in] int32 in 0..15, scale [out, in/group], minimum [out, in/group]), with
-    weight ~= q * scale + minimum. Asymmetric min/max per group: a GGUF Q4_1 tensor (d * q + m, whose quantizer
-    puts the group's minimum at q=0 and maximum at q=15) comes back as its own q, d and m."""
-    out_features, in_features = weight.shape
-    w = weight.detach().float().view(out_features, in_features // group, group)
-    minimum, maximum = w.amin(dim=-1), w.amax(dim=-1)
-    scale = ((maximum - minimum) / 15).clamp(min=1e-10)
-    q = ((w - minimum[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.int32)
-    return q.view(out_features, in_features), scale, minimum
+def int4_quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[out, in] float -> (q [out, in] int32 in 0..15, scale [out, in/32], minimum [out, in/32]), with
+    weight ~= q * scale + minimum (GroupQuantized.int4_from_float)."""
+    g = GroupQuantized.int4_from_float(weight)
+    assert g.minimum is not None
+    return g.q.to(torch.int32), g.scale, g.minimum
 
 
 class Int4Linear(WeightOnlyLinear):
     """Group-wise asymmetric int4 through torch's CPU kernel (`_weight_int4pack_mm_for_cpu`), whose dequantization
     is (q - 8) * scale + zero: zero = minimum + 8 * scale gives q * scale + minimum."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, weight: GroupQuantized | None = None) -> None:
+        """weight: a checkpoint's own 4-bit tensor to use instead of quantizing linear's weight."""
         super().__init__(linear)
-        q, scale, minimum = int4_quantize(linear.weight)
-        self.register_buffer("weight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))  # [out, in/2] uint8
-        zero = minimum + 8 * scale
+        g = weight if weight is not None else GroupQuantized.int4_from_float(linear.weight)
+        minimum = g.minimum if g.minimum is not None else torch.zeros_like(g.scale)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(g.q.to(torch.int32), 1)  # [out, in/2] uint8
+        self.register_buffer("weight", packed)
+        zero = minimum + 8 * g.scale
         self.register_buffer(
-            "scales_and_zeros", torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
+            "scales_and_zeros", torch.stack([g.scale, zero], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
         )
 
     @staticmethod
@@ -114,3 +138,48 @@ def quantize(module: nn.Module, method: str) -> None:
             else:
                 replacement = PackedLinear(linear, torch.bfloat16)
             setattr(child, attr, replacement)
+
+
+class Int8Embedding(nn.Module):
+    """Token embeddings kept as int8 with a float32 scale per row; a tied LM head (Int8Linear) reads the same int8
+    tensor, so the vocabulary matrix is held once."""
+
+    weight: torch.Tensor
+    scales: torch.Tensor
+
+    def __init__(self, weight: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.register_buffer("weight", weight)  # [vocab, hidden] int8
+        self.register_buffer("scales", scales)  # [vocab] float32
+        self.dtype = dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return (self.weight[ids].float() * self.scales[ids, None]).to(self.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, int8 per-row"
+
+
+def install_quantized(decoder: nn.Module, name: str, weight: GroupQuantized, dtype: torch.dtype) -> None:
+    """Replace the module whose parameter `name` (e.g. layers.3.mlp.down_proj.weight) the checkpoint holds
+    quantized: a linear becomes Int4Linear (4 bits, when the kernel takes its shape) or Int8Linear (8 bits); the
+    token embedding becomes Int8Embedding, and a tied LM head the Int8Linear on the same int8 tensor. A shape the
+    kernels do not take keeps a dense weight, dequantized."""
+    path, _, attr = name.rpartition(".")
+    module = decoder.get_submodule(path)
+    parent_path, _, child = path.rpartition(".")
+    parent = decoder.get_submodule(parent_path)
+    if isinstance(module, nn.Embedding):
+        q, scales = int8_per_row(weight)
+        parent.register_module(child, Int8Embedding(q, scales, dtype))
+        lm_head = decoder.get_submodule("lm_head")
+        if isinstance(lm_head, nn.Linear) and lm_head.weight is module.weight:  # tied
+            decoder.register_module("lm_head", Int8Linear(lm_head, (q, scales)))
+        return
+    assert isinstance(module, nn.Linear) and attr == "weight"
+    if weight.bits == 4 and Int4Linear.supports(module):
+        parent.register_module(child, Int4Linear(module, weight))
+    elif weight.bits == 8:
+        parent.register_module(child, Int8Linear(module, int8_per_row(weight)))
+    else:
+        module.weight.data.copy_(weight.dequantize())

@@ -9,6 +9,7 @@ import torch
 from model.config import ModelConfig
 from model.loaders.gguf import GGUFFile
 from model.loaders.safetensors import read_safetensors
+from model.qtensor import GroupQuantized
 
 
 def load_config(path: Path) -> ModelConfig:
@@ -21,8 +22,11 @@ def load_config(path: Path) -> ModelConfig:
     return ModelConfig.from_hf(path)
 
 
-def read_weights(path: Path, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+def read_weights(
+    path: Path, config: ModelConfig, keep_quantized: bool = False
+) -> Iterator[tuple[str, torch.Tensor | GroupQuantized]]:
+    """keep_quantized: a GGUF's Q4_0 / Q4_1 / Q4_K / Q8_0 matrices as GroupQuantized, the rest as float tensors."""
     path = Path(path)
     if path.is_file():
-        return GGUFFile(path).tensors(config.num_heads, config.num_kv_heads)
+        return GGUFFile(path).tensors(config.num_heads, config.num_kv_heads, keep_quantized)
     return read_safetensors(path)

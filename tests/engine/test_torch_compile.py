@@ -26,7 +26,11 @@ def mistral_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def engine(folder: Path, **overrides: object) -> Engine:
     settings = Settings(model=str(folder), kv_cache_memory=4 * 2**20, block_size=16, **overrides)
-    return Engine(settings, tokenizer=make_tokenizer())
+    e = Engine(settings, tokenizer=make_tokenizer())
+    if settings.torch_compile:  # compiled in the background; taken over between requests
+        assert e.runner.wait_compiled(timeout=600) and e.runner.compile_error is None
+        assert e.runner.activate_compiled()
+    return e
 
 
 def test_compiled_decode_steps_give_eager_tokens(mistral_folder: Path) -> None:

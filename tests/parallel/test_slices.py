@@ -40,13 +40,17 @@ def test_vocab_shards_are_equal_and_the_last_is_padded() -> None:
     assert (vocab_shard(49152, 2, 1).start, vocab_shard(49152, 2, 1).size) == (24576, 24576)
 
 
-def test_ranks_run_dense_linears_and_float32_on_cpu() -> None:
+def test_ranks_run_dense_float32_eager_steps_on_cpu() -> None:
     tp = TensorParallel(0, 2)
-    dense = tensor_parallel_settings(Settings(quantization="int8"), tp)
-    assert (dense.quantization, dense.dtype) == ("none", "float32")
+    for quantization in ("auto", "int8"):
+        rank = tensor_parallel_settings(Settings(quantization=quantization, dtype="auto", torch_compile=True), tp)
+        assert (rank.quantization, rank.dtype, rank.torch_compile, rank.enforce_eager) == (
+            "none",
+            "float32",
+            False,
+            True,
+        )
     assert tensor_parallel_settings(Settings(dtype="bfloat16"), tp).dtype == "bfloat16"  # an explicit --dtype holds
-    with pytest.raises(ValueError, match="torch-compile"):
-        tensor_parallel_settings(Settings(torch_compile=True), tp)
     one = Settings(quantization="int8")
     assert tensor_parallel_settings(one, TensorParallel()) is one
 
