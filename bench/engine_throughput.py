@@ -196,6 +196,8 @@ def main() -> None:
 
     settings = bench_settings(["serve", *server_flags])
     engine = Engine(settings)
+    # the decode step compiles in the background while a server would serve eagerly; measure the steady state
+    engine.runner.wait_compiled()
     print(f"# engine throughput\n\n{engine.describe()}")
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs, "

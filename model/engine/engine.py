@@ -226,10 +226,13 @@ class Engine:
 
     # ---- worker thread ---------------------------------------------------------------------------------------
     def _loop(self) -> None:
+        started = time.monotonic()
         try:
             while not self._stop.is_set():
                 if self.workers is not None:
                     self.workers.check()  # a rank that died while this one waited or computed
+                if not self.scheduler.has_work() and (self.num_steps or time.monotonic() - started > 3):
+                    self.runner.start_compile()  # idle after the first answers, or 3 s without any request
                 outputs = self._drain_inbox(block=not self.scheduler.has_work())
                 if self.scheduler.has_work():
                     outputs += self.step()

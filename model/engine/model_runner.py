@@ -2,6 +2,8 @@
 sampled tokens. Under tensor parallelism every rank has one, holding its slice of the model and of the KV pool:
 rank 0's runs the steps and sends each step's inputs to the others, whose runners `follow()`."""
 
+import contextlib
+import ctypes
 import enum
 import logging
 import math
@@ -28,6 +30,7 @@ from model.layers.attention import flash_attn_usable
 from model.layers.linear import onednn_usable, pack_linears
 from model.layers.quantization import install_quantized, quantize
 from model.layers.sampler import Sampler, SamplingBatch
+from model.layers.tracing import compiling_here
 from model.layers.triton_attention import triton_usable
 from model.loaders import load_config, read_weights
 from model.parallel import SINGLE, TensorParallel, head_shard
@@ -148,6 +151,13 @@ def tensor_parallel_settings(settings: Settings, tp: TensorParallel) -> Settings
     return settings
 
 
+def release_free_memory() -> None:
+    """Hand the heap that loading (or compiling) freed back to the OS: glibc keeps freed memory mapped in its
+    arenas, where it counts as resident until reused."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
 def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A zero tensor. On CPU it is anonymous memory from mmap: the kernel's zero pages, resident only once written,
     so an idle server holds none of a KV pool it has not used (torch.zeros writes, and so keeps, every page)."""
@@ -188,6 +198,7 @@ class ModelRunner:
             tp=tp,
         )
         self.load_seconds = time.perf_counter() - started
+        release_free_memory()
         self.sampler = Sampler()
         self.num_blocks = self._allocate_kv_cache(settings)
         self.decode_graphs: DecodeGraphs | None = None
@@ -213,27 +224,47 @@ class ModelRunner:
         self.compile_error: str | None = None
         self._compiled_ready: tuple[Callable[[Batch], torch.Tensor], Callable[[Batch], torch.Tensor]] | None = None
         self._compile_done = threading.Event()
-        if settings.torch_compile and self.device.type == "cpu" and not c_compiler_found():
+        self._compile_started = False
+        self._compile_wanted = settings.torch_compile and self.device.type == "cpu"
+        if self._compile_wanted and not c_compiler_found():
             log.warning("decode step stays eager: torch.compile needs a C++ compiler (cc or gcc) on PATH")
-        if settings.torch_compile and self.device.type == "cpu" and c_compiler_found():
-            if settings.cache_dir:
-                # inductor's kernels survive restarts: a second start finds them and compiles in seconds
-                os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(settings.cache_dir) / "inductor"))
-            threading.Thread(target=self._compile_in_background, name="llmserve-compile", daemon=True).start()
-        else:
+            self._compile_wanted = False
+        if self._compile_wanted and settings.cache_dir:
+            # inductor's kernels survive restarts: a second start finds them and compiles in seconds
+            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(settings.cache_dir) / "inductor"))
+        if not self._compile_wanted:
             self._compile_done.set()
 
+    def start_compile(self) -> None:
+        """Begin compiling the decode step in a background thread (once). The engine calls it when it first idles,
+        so that the first answers do not share the CPUs and the GIL with the compiler."""
+        if self._compile_wanted and not self._compile_started:
+            self._compile_started = True
+            threading.Thread(target=self._compile_in_background, name="llmserve-compile", daemon=True).start()
+
     def _compile_in_background(self) -> None:
+        with contextlib.suppress(OSError):  # Linux: this thread (and the compiler processes it starts) yields the CPUs
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
         try:
-            self._compile()
+            with compiling_here():
+                self._compile()
         except Exception as exc:  # noqa: BLE001 - any compiler failure leaves the eager step, which is correct
             self.compile_error = repr(exc)
             log.exception("decode step stays eager: compiling it failed")
         finally:
             self._compile_done.set()
 
+    @property
+    def decode_step_state(self) -> str:
+        """compiling (eager steps serve meanwhile), compiled, or eager (not asked for, unavailable or failed)."""
+        if self.compiled_forward is not None or self._compiled_ready is not None:
+            return "compiled"
+        return "eager" if self._compile_done.is_set() else "compiling"
+
     def wait_compiled(self, timeout: float | None = None) -> bool:
-        """Block until the background compile has ended (compiled or failed); True when it has."""
+        """Start the background compile if it has not started, and block until it has ended (compiled or failed);
+        True when it has."""
+        self.start_compile()
         return self._compile_done.wait(timeout)
 
     def activate_compiled(self) -> bool:
@@ -287,6 +318,7 @@ class ModelRunner:
             compiled_forward(batch)
         self.compile_seconds = time.perf_counter() - started
         self._compiled_ready = (compiled_one_row, compiled_forward)
+        release_free_memory()
         log.info("decode step compiled in %.1fs; it takes over when no request is running", self.compile_seconds)
 
     def _one_row_logits(self, batch: Batch) -> torch.Tensor:

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model.batch import Batch
+from model.layers.tracing import traced
 from model.layers.triton_attention import paged_attention
 
 try:  # optional GPU extra
@@ -44,7 +45,7 @@ class PagedAttention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Batch) -> torch.Tensor:
         # q: [T, H, D], k/v: [T, KVH, D] -> [T, H, D]
-        if torch.compiler.is_compiling():  # compiled graphs run decode-only steps
+        if traced():  # compiled graphs run decode-only steps
             return self._traced_decode(q, k, v, batch)
         if self.k_cache.numel():
             self.k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, batch.slot_mapping, k)

@@ -18,6 +18,8 @@ import torch
 from torch import nn
 from torch.fx.experimental.symbolic_shapes import guard_or_false
 
+from model.layers.tracing import traced
+
 # oneDNN picks the blocked layout for this many rows; measured the same from 1 to 512 rows (bench/gemm_backends.py)
 BATCH_HINT = 16
 
@@ -47,7 +49,7 @@ def one_row_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def is_one_row(x: torch.Tensor) -> bool:
     """True only in a graph traced for a single row (x: [1, ...]); False in eager code and for a row count left
     symbolic."""
-    return torch.compiler.is_compiling() and guard_or_false(x.shape[0] == 1)
+    return traced() and guard_or_false(x.shape[0] == 1)
 
 
 def onednn_usable(device: torch.device, dtype: torch.dtype) -> bool:
@@ -114,7 +116,7 @@ class PackedLinear(nn.Module):
         if self.weight is not None and is_one_row(x):
             y = one_row_linear(x.to(self.dtype), self.weight).to(x.dtype)
             return y if self.bias is None else y + self.bias.to(x.dtype)
-        if torch.compiler.is_compiling():
+        if traced():
             return packed_linear(x, self.index)
         return self.matmul(x)
 

@@ -85,3 +85,36 @@ def test_compiled_logits_match_eager_on_a_decode_batch(mistral_folder: Path, row
             else:
                 compiled = runner.decoder.compute_logits(runner.compiled_forward(batch))
     torch.testing.assert_close(compiled, eager, atol=1e-4, rtol=1e-4)
+
+
+def test_the_background_compile_takes_over_between_requests_only(mistral_folder: Path) -> None:
+    """Eager steps serve while the compile runs in its thread (the layers must not take their graph-only paths
+    then), and the compiled graphs take over at the first step with no running sequence."""
+    settings = Settings(model=str(mistral_folder), kv_cache_memory=4 * 2**20, block_size=16, torch_compile=True)
+    e = Engine(settings, tokenizer=make_tokenizer())
+    runner = e.runner
+    assert runner.decode_step_state == "compiling" and runner.compiled_forward is None
+    eager = engine(mistral_folder)
+    prompt = prompts(seed=7, lengths=(11,))[0]
+    switched_while_running: list[bool] = []
+    activate = runner.activate_compiled
+
+    def recording_activate() -> bool:
+        switched = activate()
+        if switched:
+            switched_while_running.append(bool(e.scheduler.running))
+        return switched
+
+    runner.activate_compiled = recording_activate  # type: ignore[method-assign]
+    runner.start_compile()
+    served_during_compile = 0
+    while not runner.wait_compiled(timeout=0):  # requests one after another, each checked against an eager engine
+        name = f"during-{served_during_compile}"
+        assert run(e, {name: (prompt, greedy(24))}, {name: 0}) == run(eager, {name: (prompt, greedy(24))}, {name: 0})
+        served_during_compile += 1
+    assert runner.compile_error is None and served_during_compile > 0
+    e.add_request("first", prompt, greedy(8))
+    e._drain_inbox(block=False)
+    e.step()  # nothing was running: the compiled graphs take over before this step, if not already
+    assert runner.compiled_forward is not None and runner.decode_step_state == "compiled"
+    assert switched_while_running == [False]

@@ -7,6 +7,7 @@ from torch import nn
 from model.engine.model_runner import c_compiler_found
 from model.layers.linear import PackedLinear
 from model.layers.quantization import INT4_GROUP, Int4Linear, Int8Linear, int4_quantize, quantize
+from model.layers.tracing import compiling_here
 
 
 def test_int8_weights_round_within_half_a_step() -> None:
@@ -106,7 +107,7 @@ def test_compiled_one_row_gemv_matches_float64_reference(kind: str) -> None:
         layer = PackedLinear(linear.to(dtype), keep_weight=True)
         weight, x = linear.weight.double(), x.to(dtype)
     ref = x.double() @ weight.T + linear.bias.double()
-    with torch.inference_mode():
+    with torch.inference_mode(), compiling_here():
         out = torch.compile(layer, dynamic=False, fullgraph=True)(x)
     assert out.dtype == x.dtype and out.shape == (1, 200)
     # float32 activations for int8: far closer than the eager int8 kernel's bfloat16 ones (0.02 of the range above);

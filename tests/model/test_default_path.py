@@ -1,0 +1,108 @@
+"""The default CPU path (--quantization auto, --dtype auto): a GGUF's own 4- and 8-bit tensors, read as they are,
+against the `gguf` package's dequantization and against the float32 reference engine."""
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from model.engine.engine import Engine
+from model.engine.model_runner import build_decoder, resolve_dtype
+from model.layers.quantization import Int4Linear, Int8Embedding, Int8Linear
+from model.loaders import load_config
+from model.loaders.gguf import UNPACKERS, GGUFFile, unpermute
+from model.tokenizer import Tokenizer
+from tests.model.test_smollm2_parity import PROMPTS, single_sequence_batch
+
+Q = gguf.GGMLQuantizationType
+
+
+@pytest.mark.parametrize("kind", [Q.Q4_0, Q.Q4_1, Q.Q8_0])
+def test_unpacked_blocks_dequantize_as_gguf_does(kind: Q) -> None:
+    weights = np.random.default_rng(0).standard_normal((48, 256)).astype(np.float32)
+    packed = gguf.quants.quantize(weights, kind)  # [rows, bytes], ggml's own block layout
+    ours = UNPACKERS[kind](torch.from_numpy(packed)).dequantize()
+    theirs = torch.from_numpy(gguf.quants.dequantize(packed, kind))
+    assert torch.equal(ours, theirs)
+
+
+@pytest.fixture(scope="module")
+def auto_decoder(default_model_path: Path) -> torch.nn.Module:
+    config = load_config(default_model_path)
+    return build_decoder(default_model_path, config, 512, torch.bfloat16, torch.device("cpu"), "auto")
+
+
+def test_auto_runs_every_matrix_on_the_files_own_bits(auto_decoder: torch.nn.Module) -> None:
+    linears = [m for name, m in auto_decoder.named_modules() if name.startswith("layers.") and hasattr(m, "matmul")]
+    assert len(linears) == 30 * 4 and all(isinstance(m, Int4Linear) for m in linears)
+    # the Q8_0 embedding is the tied LM head: one int8 tensor for both
+    assert isinstance(auto_decoder.embed_tokens, Int8Embedding) and isinstance(auto_decoder.lm_head, Int8Linear)
+    assert auto_decoder.embed_tokens.weight is auto_decoder.lm_head.weight
+
+
+@torch.inference_mode()
+def test_int4_layer_computes_the_files_weights(auto_decoder: torch.nn.Module, default_model_path: Path) -> None:
+    # reference: the gguf package's float32 dequantization of layer 3's Q projection (rows un-permuted as ours)
+    file = GGUFFile(default_model_path)
+    tensor = next(t for t in file.reader.tensors if t.name == "blk.3.attn_q.weight")
+    reference = unpermute(torch.from_numpy(file._dequantize(tensor)), 9)  # [576, 576]
+    layer = auto_decoder.layers[3].self_attn.qkv_proj
+    identity = torch.eye(576, dtype=torch.bfloat16)
+    got = layer(identity)[:, :576].float().T  # row i of the identity reads input column i of every output row
+    # the kernel keeps scales and zeros in bfloat16 (2**-9 relative each) and rounds its output to bfloat16
+    block_scale = reference.view(576, -1, 32).abs().amax(-1).repeat_interleave(32, dim=1)
+    bound = 2**-9 * (reference.abs() + 2 * block_scale) + 2**-8 * reference.abs() + 1e-6
+    assert bool(((got - reference).abs() <= bound).all())
+
+
+@torch.inference_mode()
+def test_default_engine_agrees_with_the_float32_reference(
+    make_engine: object, default_tokenizer: Tokenizer, auto_decoder: torch.nn.Module, default_model_path: Path
+) -> None:
+    config = load_config(default_model_path)
+    reference = build_decoder(default_model_path, config, 512, torch.float32, torch.device("cpu"), "none")
+    errors = []
+    for prompt in PROMPTS:
+        ids = default_tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+        ours = auto_decoder.compute_logits(auto_decoder(single_sequence_batch(ids)))[-1]
+        theirs = reference.compute_logits(reference(single_sequence_batch(ids)))[-1]
+        assert int(ours.argmax()) == int(theirs.argmax())
+        errors.append(float((ours - theirs).abs().max()))
+    # bfloat16 activations and the kernels' bfloat16 scales: bench/quantization_quality.py measures 0.3-0.6 over
+    # 20 prompts, against logits up to ~35
+    assert max(errors) < 1.5, errors
+    engine = make_engine(quantization="auto", dtype="bfloat16", torch_compile=False)
+    assert isinstance(engine, Engine)
+    from model.engine.sequence import SamplingParams
+
+    ids = default_tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+    engine.add_request("paris", ids, SamplingParams(temperature=0, max_tokens=12))
+    engine._drain_inbox(block=False)
+    out: list[int] = []
+    while engine.scheduler.has_work():
+        for o in engine.step():
+            out += o.new_token_ids
+    assert "Paris" in default_tokenizer.decode(out)
+
+
+def test_dtype_auto_follows_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    import model.engine.model_runner as runner
+
+    monkeypatch.setattr(runner, "cpu_has_bfloat16", lambda: True)
+    assert resolve_dtype("auto", torch.device("cpu")) == torch.bfloat16
+    monkeypatch.setattr(runner, "cpu_has_bfloat16", lambda: False)
+    assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
+    assert resolve_dtype("float32", torch.device("cpu")) == torch.float32
+
+
+def test_the_gguf_tokenizer_is_cached_once_built(default_model_path: Path, tmp_path: Path) -> None:
+    built = Tokenizer.load(default_model_path, cache_dir=tmp_path)
+    assert list((tmp_path / "tokenizers").glob("*/tokenizer.json"))
+    cached = Tokenizer.load(default_model_path, cache_dir=tmp_path)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Héllo <b>wörld</b> 🌍"}]
+    assert cached.apply_chat_template(messages) == built.apply_chat_template(messages)
+    assert cached.eos_token_ids == built.eos_token_ids and cached.vocab_size == built.vocab_size
+    ids = built.encode("The quick brown fox, 1234 \t\n ünïcödé")
+    assert cached.decode(ids) == built.decode(ids)
