@@ -84,6 +84,20 @@ class Settings(BaseSettings):
     log_level: str = Field("info", description="uvicorn and llmserve log level")
     webui: bool = Field(True, description="serve the chat page at /")
 
+    # Tensor parallelism (README "Scaling out")
+    tensor_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="ranks the model is split over (torch.distributed: NCCL on CUDA, gloo on CPU); rank 0 serves "
+        "HTTP and starts the others on this machine, unless torchrun started every rank (RANK, WORLD_SIZE set)",
+    )
+    distributed_timeout: float = Field(
+        60.0, gt=0, description="seconds a collective between ranks may wait before a rank counts as hung or gone"
+    )
+    cpu_all_reduce: Literal["shm", "gloo"] = Field(
+        "shm", description="CPU ranks all on this machine: all-reduce through shared memory (x86) or through gloo"
+    )
+
     @property
     def model_path(self) -> Path:
         from config.default_model import FILENAME

@@ -2,7 +2,9 @@
 # Build the CPU image with podman and prove it serves: run the server from the built image's filesystem as the
 # image would run it (its user, env, workdir, entrypoint; read-only root), then ask /health, the image's own
 # HEALTHCHECK command, one streamed chat completion (expects `data: [DONE]`), and stop it with SIGTERM in the
-# middle of a second stream: that stream must still end with [DONE] (drain) and the server must exit 0.
+# middle of a second stream: that stream must still end with [DONE] (drain) and the server must exit 0. Then two
+# replicas from the same image behind nginx with deploy/nginx.conf's session affinity (scripts/replicas-smoke.sh):
+# a conversation's second turn returns to the replica holding its prefix cache, other sessions spread over both.
 #
 #   sudo scripts/container-smoke.sh          (not part of `make test`: it builds a 1.3 GB image)
 #
@@ -30,9 +32,10 @@ fi
 command -v curl >/dev/null || fail "curl is needed"
 
 tmp="$(mktemp -d "${TMPDIR:-/tmp}/llmserve-smoke.XXXXXX")"
-server_pid="" rootfs=""
+server_pid="" rootfs="" replica_pids=()
 cleanup() {
     if [[ -n "$server_pid" ]]; then kill -KILL "$server_pid" 2>/dev/null || true; fi
+    for pid in "${replica_pids[@]}"; do kill -KILL "$pid" 2>/dev/null || true; done
     if [[ -n "$rootfs" ]]; then podman image unmount "$IMAGE" >/dev/null 2>&1 || true; fi
     rm -rf "$tmp"
 }
@@ -86,33 +89,40 @@ inspect '{{json .Config.ExposedPorts}}' | grep -q '"8000/tcp"' || fail "8000 not
 [[ " ${image_env[*]} " == *" LLMSERVE_MODELS_DIR="* ]] || fail "no LLMSERVE_MODELS_DIR in the image env"
 
 # ---- run it from the image's filesystem ----
-PORT="${PORT:-$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}"
+free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+PORT="${PORT:-$(free_port)}"
 base="http://127.0.0.1:$PORT"
 rootfs="$(podman image mount "$IMAGE")"
 uid="${user%%:*}" gid="${user#*:}"
 [[ "$gid" == "$user" ]] && gid="$uid"
 # The image's env, then what `docker run -e` would override: loopback only, a free port.
 run_env=("${image_env[@]}" "HOME=$workdir" LLMSERVE_HOST=127.0.0.1 "LLMSERVE_PORT=$PORT")
+serve() {  # $1 = port, $2 = log file; the server's pid in $served_pid
+    # A private mount namespace (nothing leaks to the host): /proc and /dev from the host, tmpfs /tmp; the image's
+    # root stays read-only, as with `docker run --read-only`. exec all the way down, so $! is the server itself.
+    unshare --mount --propagation private -- /bin/sh -c '
+        root="$1" userspec="$2"; shift 2
+        mount --rbind /proc "$root/proc" && mount --rbind /dev "$root/dev" && mount -t tmpfs -o mode=1777 tmpfs "$root/tmp" \
+        && exec chroot --userspec="$userspec" "$root" "$@"' sh "$rootfs" "$uid:$gid" \
+        /usr/bin/env -i -C "$workdir" "${run_env[@]}" "LLMSERVE_PORT=$1" "${entry[@]}" >"$2" 2>&1 &
+    served_pid=$!
+}
+wait_healthy() {  # $1 = pid, $2 = base URL, $3 = log file
+    local status="" start
+    start=$(date +%s)
+    for _ in $(seq 1 300); do
+        kill -0 "$1" 2>/dev/null || { tail -n 40 "$3"; fail "server exited before it was healthy"; }
+        status=$(curl -s -o /dev/null -w '%{http_code}' "$2/health" || true)
+        [[ "$status" == 200 ]] && break
+        sleep 1
+    done
+    [[ "$status" == 200 ]] || { tail -n 40 "$3"; fail "/health never answered 200 (last: $status)"; }
+    echo "$2/health 200, $(( $(date +%s) - start ))s after start"
+}
 step "serving from $rootfs as $uid:$gid on $base"
-# A private mount namespace (nothing leaks to the host): /proc and /dev from the host, tmpfs /tmp; the image's
-# root stays read-only, as with `docker run --read-only`. exec all the way down, so $! is the server itself.
-unshare --mount --propagation private -- /bin/sh -c '
-    root="$1" userspec="$2"; shift 2
-    mount --rbind /proc "$root/proc" && mount --rbind /dev "$root/dev" && mount -t tmpfs -o mode=1777 tmpfs "$root/tmp" \
-    && exec chroot --userspec="$userspec" "$root" "$@"' sh "$rootfs" "$uid:$gid" \
-    /usr/bin/env -i -C "$workdir" "${run_env[@]}" "${entry[@]}" >"$tmp/server.log" 2>&1 &
-server_pid=$!
-dead() { ! kill -0 "$server_pid" 2>/dev/null; }
-
-status="" start=$(date +%s)
-for _ in $(seq 1 300); do
-    dead && { tail -n 40 "$tmp/server.log"; fail "server exited before it was healthy"; }
-    status=$(curl -s -o /dev/null -w '%{http_code}' "$base/health" || true)
-    [[ "$status" == 200 ]] && break
-    sleep 1
-done
-[[ "$status" == 200 ]] || { tail -n 40 "$tmp/server.log"; fail "/health never answered 200 (last: $status)"; }
-echo "/health 200, $(( $(date +%s) - start ))s after start"
+serve "$PORT" "$tmp/server.log"
+server_pid=$served_pid
+wait_healthy "$server_pid" "$base" "$tmp/server.log"
 
 # The image's HEALTHCHECK command, run as `docker exec` would: in the server's mount namespace, root and cwd.
 nsenter --target "$server_pid" --mount --root --wd -S "$uid" -G "$gid" \
@@ -146,6 +156,17 @@ echo "server exited with status $rc, $(( $(date +%s) - start ))s after SIGTERM"
 tail -n 3 "$tmp/stream2.txt" | grep -qx 'data: \[DONE\]' || { tail -n 5 "$tmp/stream2.txt"; fail "the in-flight stream was cut off"; }
 echo "in-flight stream finished: data: [DONE]"
 [[ "$rc" == 0 ]] || { tail -n 20 "$tmp/server.log"; fail "exit status $rc after SIGTERM"; }
+
+step "two replicas behind nginx: session affinity"
+replica_urls=()
+for i in 1 2; do
+    port=$(free_port)
+    serve "$port" "$tmp/replica$i.log"
+    replica_pids+=("$served_pid")
+    replica_urls+=("http://127.0.0.1:$port")
+done
+for i in 0 1; do wait_healthy "${replica_pids[$i]}" "${replica_urls[$i]}" "$tmp/replica$((i + 1)).log"; done
+scripts/replicas-smoke.sh "${replica_urls[@]}"
 
 step "PASS"
 [[ -n "${build_s:-}" ]] && echo "build: ${build_s}s"

@@ -2,6 +2,7 @@
 Every flag is a Settings field (config/settings.py) and an LLMSERVE_* environment variable."""
 
 import logging
+import os
 import sys
 
 from config.settings import load_settings
@@ -21,6 +22,15 @@ def _configure_logging(level: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     command, settings = load_settings(argv)
     _configure_logging(settings.log_level)
+    if command == "serve" and settings.tensor_parallel_size > 1 and int(os.environ.get("RANK", "0")) > 0:
+        # torchrun started every rank with the same command: the ranks other than 0 follow rank 0's steps
+        from model.engine.workers import run_worker
+
+        if not settings.model:
+            from config.default_model import ensure_default_model
+
+            ensure_default_model(settings.models_dir)
+        return run_worker(settings)
     if command == "inspect":
         from model.engine.inspect import describe_model
 
@@ -35,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         ensure_default_model(settings.models_dir)
     server = make_server(create_app(settings), settings.host, settings.port, settings.log_level)
     server.run()
-    return 1 if server.app_state.load_error else 0
+    return 1 if server.app_state.load_error or server.app_state.engine_failure else 0
 
 
 if __name__ == "__main__":

@@ -130,6 +130,7 @@ def create_app(
     state.engine = None
     state.async_engine = None
     state.load_error = None
+    state.engine_failure = None  # set when a tensor-parallel engine failed and the server stops for it
     state.draining = False
     state.inflight = 0
     state.started_at = int(time.time())

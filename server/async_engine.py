@@ -29,8 +29,11 @@ logger = logging.getLogger("llmserve.server")
 
 
 class EngineDeadError(APIError):
-    def __init__(self) -> None:
-        super().__init__(503, "the inference engine has stopped; the server must be restarted", code="engine_dead")
+    def __init__(self, reason: str | None = None) -> None:
+        because = f" ({reason})" if reason else ""
+        super().__init__(
+            503, f"the inference engine has stopped{because}; the server must be restarted", code="engine_dead"
+        )
 
 
 @dataclass(slots=True)
@@ -165,6 +168,7 @@ class AsyncEngine:
         self.engine = engine
         self.metrics = metrics
         self.dead = False
+        self.failure: str | None = None
         self._routes: dict[str, tuple[RequestStream, int]] = {}  # engine request id -> (stream, choice index)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._watchdog: asyncio.Task[None] | None = None
@@ -206,11 +210,13 @@ class AsyncEngine:
         """A dead worker thread would leave every queue waiting forever: fail them all instead."""
         while True:
             await asyncio.sleep(0.5)
-            if not self.engine.stats().is_alive:
+            stats = self.engine.stats()
+            if not stats.is_alive:
                 self.dead = True
+                self.failure = getattr(stats, "error", None)  # why, when the engine knows (a tensor-parallel rank)
                 logger.error("engine worker thread is no longer alive; failing %d requests", len(self._routes))
                 for stream, _ in list(self._routes.values()):
-                    stream._put(EngineDeadError())
+                    stream._put(EngineDeadError(self.failure))
                 return
 
     def submit(
@@ -226,7 +232,7 @@ class AsyncEngine:
     ) -> RequestStream:
         """Add every choice to the engine at once (returns immediately); ValueError when one can never fit."""
         if self.dead:
-            raise EngineDeadError()
+            raise EngineDeadError(self.failure)
         tokenizer = self.engine.tokenizer
         choices = [
             _Choice(

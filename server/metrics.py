@@ -140,6 +140,12 @@ class _EngineCollector(Collector):
             stats.spec_accepted_tokens / max(stats.spec_draft_tokens, 1),
         )
         yield gauge("llmserve:engine_alive", "1 while the engine worker thread runs.", 1.0 if stats.is_alive else 0.0)
+        yield gauge("llmserve:tensor_parallel_size", "Ranks the model is split over.", stats.tensor_parallel_size)
+        yield counter(
+            "llmserve:all_reduce_seconds",
+            "Rank 0's time inside tensor-parallel all-reduces, waiting for the other ranks included.",
+            stats.all_reduce_seconds,
+        )
 
 
 class ServerMetrics:

@@ -36,6 +36,14 @@ class DrainingServer(uvicorn.Server):
             self.app_state.load_error and not self.should_exit
         ):  # nothing to serve: exit (status 1) instead of 503 forever
             self.should_exit = True
+        engine = self.app_state.async_engine
+        # A lost tensor-parallel rank cannot be replaced in this process: exit (status 1) so that a supervisor
+        # restarts the whole group, once the requests in flight have been sent their error
+        tp_failed = engine is not None and engine.dead and self.app_state.settings.tensor_parallel_size > 1
+        if tp_failed and self.app_state.inflight == 0 and not self.should_exit:
+            logger.error("stopping: %s", engine.failure or "the tensor-parallel engine stopped")
+            self.app_state.engine_failure = engine.failure or "engine stopped"
+            self.should_exit = True
         if self.drain_deadline is not None and not self.should_exit:
             if self.app_state.inflight == 0:
                 logger.info("drained; shutting down")

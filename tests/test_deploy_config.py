@@ -166,7 +166,7 @@ def _compose() -> dict:
     return yaml.safe_load(COMPOSE.read_text())
 
 
-@pytest.mark.parametrize("profiles", [[], ["gpu"], ["scale"], ["gpu", "scale"]])
+@pytest.mark.parametrize("profiles", [[], ["gpu"], ["scale"], ["gpu", "scale"], ["tp"], ["multinode"]])
 def test_compose_config_validates(profiles: list[str]) -> None:
     command = _compose_command()
     if command is None:
@@ -222,14 +222,33 @@ def test_compose_scale_profile_puts_replicas_behind_nginx() -> None:
     assert "replicas" in replica["deploy"]
     assert "./deploy/nginx.conf:/etc/nginx/nginx.conf:ro" in lb["volumes"]
     assert lb["depends_on"]["replica"]["condition"] == "service_healthy"
-    published = {service["ports"][0].split(":")[-2] for service in services.values() if "ports" in service}
-    assert len(published) == 3, "each setup publishes its own port, so they can run side by side"
+    published = [service["ports"][0].split(":")[-2] for service in services.values() if service.get("ports")]
+    assert len(published) == len(set(published)) == 5, "each setup publishes its own port, so they can run together"
 
 
-def test_nginx_balances_least_connections_and_streams_unbuffered() -> None:
+def test_compose_tensor_parallel_profiles() -> None:
+    services = _compose()["services"]
+    single_node = services["llmserve-tp"]
+    assert single_node["profiles"] == ["tp"] and "LLMSERVE_TENSOR_PARALLEL_SIZE" in single_node["environment"]
+    assert "tensor_parallel_size" in Settings.model_fields
+    node0, node1 = services["tp-node0"], services["tp-node1"]
+    assert node0["profiles"] == node1["profiles"] == ["multinode"]
+    for rank, node in enumerate((node0, node1)):
+        command = node["command"]
+        assert node["entrypoint"] == ["torchrun"] and command[-3:] == ["-m", "server", "serve"]
+        assert command[command.index("--node-rank") + 1] == str(rank)
+        assert command[command.index("--nnodes") + 1] == str(node["environment"]["LLMSERVE_TENSOR_PARALLEL_SIZE"])
+    assert node0["command"][node0["command"].index("--master-addr") + 1] == "${LLMSERVE_TP_MASTER:-tp-node0}"
+    assert node1["command"][node1["command"].index("--master-addr") + 1] == "${LLMSERVE_TP_MASTER:-tp-node0}"
+    assert not node1.get("ports") and node1["healthcheck"] == {"disable": True}, "rank 1 serves no HTTP"
+
+
+def test_nginx_keeps_sessions_on_one_replica_and_streams_unbuffered() -> None:
     conf = re.sub(r"#.*", "", NGINX_CONF.read_text())
     upstream = re.search(r"upstream llmserve \{(.*?)\}", conf, re.DOTALL)
-    assert upstream and "least_conn;" in upstream.group(1)
+    # a conversation returns to the replica that holds its prefix cache
+    assert upstream and "hash $http_x_session_id consistent;" in upstream.group(1)
+    assert "least_conn;" not in upstream.group(1), "one balancing method per upstream"
     assert re.search(r"server replica:8000\b", upstream.group(1)), "the compose service name and port"
     for directive in ("proxy_buffering off;", "proxy_cache off;", "proxy_http_version 1.1;", "listen 8000;"):
         assert directive in conf, directive

@@ -20,6 +20,8 @@ from model.engine.model_runner import ModelRunner
 from model.engine.scheduler import Scheduler, SchedulerOutput
 from model.engine.sequence import SamplingParams, Sequence, StepOutput
 from model.engine.speculative import NgramProposer, SpeculativeConfig
+from model.engine.workers import WorkerGroup
+from model.parallel import SINGLE, TensorParallel
 from model.structured_output import GrammarCache, GrammarError, new_matcher, tokenizer_info
 from model.tokenizer import Tokenizer
 
@@ -46,6 +48,9 @@ class EngineStats:
     spec_drafts: int = 0  # steps in which a sequence had proposals checked
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    error: str | None = None  # why the worker thread stopped, once it has (a tensor-parallel rank died, ...)
+    tensor_parallel_size: int = 1
+    all_reduce_seconds: float = 0.0  # rank 0's time inside all-reduces, waiting for the other ranks included
 
 
 @dataclass(slots=True)
@@ -57,12 +62,31 @@ class StepRecord:
 
 
 class Engine:
-    def __init__(self, settings: Settings, tokenizer: Tokenizer | None = None, record_steps: bool = False) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        tokenizer: Tokenizer | None = None,
+        record_steps: bool = False,
+        tp: TensorParallel | None = None,
+    ) -> None:
+        """`tp`: a tensor-parallel group whose process group and other ranks the caller runs (tests); without it,
+        --tensor-parallel-size > 1 starts the other ranks here (model/engine/workers.py)."""
         self.settings = settings
         self.tokenizer = tokenizer or Tokenizer.load(
             settings.model_path, settings.chat_template, Path(settings.cache_dir) if settings.cache_dir else None
         )
-        self.runner = ModelRunner(settings, sorted(self.tokenizer.eos_token_ids))
+        self.workers: WorkerGroup | None = None
+        if tp is None and settings.tensor_parallel_size > 1:
+            self.workers = WorkerGroup(settings)  # the other ranks load their slices while this one loads its own
+            tp = self.workers.tp
+        try:
+            self.runner = ModelRunner(settings, sorted(self.tokenizer.eos_token_ids), tp or SINGLE)
+            if self.workers is not None:
+                self.workers.connect()
+        except BaseException:
+            if self.workers is not None:
+                self.workers.shutdown(None)
+            raise
         self.eos_token_ids = set(self.runner.eos_token_ids)  # one list for stopping and for min_tokens masking
         self._grammars: GrammarCache | None = None
         self.speculative = SpeculativeConfig.parse(settings.speculative_config)
@@ -93,6 +117,7 @@ class Engine:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.num_steps = 0
+        self.failure: str | None = None
         self.step_records: list[StepRecord] | None = [] if record_steps else None
 
     @property
@@ -124,7 +149,8 @@ class Engine:
             f"attention={self.runner.attention_backend} kv_cache={self.block_manager.num_blocks} blocks x "
             f"{self.block_manager.block_size} tokens = {self.kv_capacity_tokens} tokens "
             f"max_model_len={self.max_model_len} "
-            f"loaded in {self.runner.load_seconds:.1f}s"
+            + (f"tensor_parallel={self.runner.tp.world_size} " if self.runner.tp.world_size > 1 else "")
+            + f"loaded in {self.runner.load_seconds:.1f}s"
             + (f", decode step compiled in {self.runner.compile_seconds:.1f}s" if self.runner.compile_seconds else "")
         )
 
@@ -166,6 +192,11 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout=30)
         self.is_alive = False
+        healthy = self.failure is None
+        if self.workers is not None:
+            self.workers.shutdown(self.runner if healthy else None)
+        elif healthy and self.runner.tp.world_size > 1:
+            self.runner.stop_workers()  # the caller's ranks return from follow()
 
     def stats(self) -> EngineStats:
         bm = self.block_manager
@@ -188,6 +219,9 @@ class Engine:
             spec_drafts=self.spec_drafts,
             spec_draft_tokens=self.spec_draft_tokens,
             spec_accepted_tokens=self.spec_accepted_tokens,
+            error=self.failure,
+            tensor_parallel_size=self.runner.tp.world_size,
+            all_reduce_seconds=self.runner.tp.stats.all_reduce_seconds,
         )
 
     # ---- worker thread ---------------------------------------------------------------------------------------
@@ -195,15 +229,20 @@ class Engine:
         started = time.monotonic()
         try:
             while not self._stop.is_set():
+                if self.workers is not None:
+                    self.workers.check()  # a rank that died while this one waited or computed
                 if not self.scheduler.has_work() and (self.num_steps or time.monotonic() - started > 3):
                     self.runner.start_compile()  # idle after the first answers, or 3 s without any request
                 outputs = self._drain_inbox(block=not self.scheduler.has_work())
                 if self.scheduler.has_work():
                     outputs += self.step()
+                else:
+                    self.runner.keepalive()
                 if outputs:
                     self._on_outputs(outputs)
-        except Exception:
-            log.exception("engine step failed; the engine is stopping")
+        except Exception as exc:
+            self.failure = self.workers.explain(exc) if self.workers is not None else f"{type(exc).__name__}: {exc}"
+            log.exception("engine step failed; the engine is stopping: %s", self.failure)
             raise
         finally:
             self.is_alive = False

@@ -1,8 +1,10 @@
 """ModelRunner: builds the decoder and its KV pool, turns scheduled sequences into a Batch, and returns
-sampled tokens."""
+sampled tokens. Under tensor parallelism every rank has one, holding its slice of the model and of the KV pool:
+rank 0's runs the steps and sends each step's inputs to the others, whose runners `follow()`."""
 
 import contextlib
 import ctypes
+import enum
 import logging
 import math
 import mmap
@@ -31,6 +33,7 @@ from model.layers.sampler import Sampler, SamplingBatch
 from model.layers.tracing import compiling_here
 from model.layers.triton_attention import triton_usable
 from model.loaders import load_config, read_weights
+from model.parallel import SINGLE, TensorParallel, head_shard
 
 log = logging.getLogger("llmserve.model_runner")
 
@@ -42,6 +45,30 @@ class StepSample:
 
     tokens: list[list[int]]
     logprobs: list[list[TokenLogprob]] | None = None
+
+
+@dataclass(slots=True)
+class StepInputs:
+    """One step's batch as host lists: what rank 0 sends the other ranks, each of which builds its own Batch."""
+
+    input_ids: list[int]
+    positions: list[int]
+    slots: list[int]  # flat KV slot of each token
+    query_lens: list[int]
+    context_lens: list[int]
+    logits_indices: list[int]  # empty: no row samples, so no LM head this step
+    tables: list[list[int]]  # block tables, -1 padded
+
+
+class WorkerCommand(enum.Enum):
+    """What rank 0 sends the other ranks instead of a step."""
+
+    HEARTBEAT = "heartbeat"  # still here: sent while idle, so that the others' wait stays within the timeout
+    STOP = "stop"
+
+
+# An idle rank 0 sends a heartbeat this often (or at a third of --distributed-timeout, if that is shorter).
+HEARTBEAT_SECONDS = 5.0
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -83,15 +110,16 @@ def build_decoder(
     quantization: str = "none",
     prepack_weights: bool = True,
     keep_weights: bool = False,
+    tp: TensorParallel = SINGLE,
 ) -> Decoder:
-    """Allocate the decoder without random init, stream the checkpoint into it tensor by tensor, then give its
-    linear layers their CPU form: quantized, or reordered once for oneDNN.
+    """Allocate the decoder (this rank's slice) without random init, stream the checkpoint into it tensor by tensor,
+    then give its linear layers their CPU form: quantized, or reordered once for oneDNN.
 
     quantization auto: on CPU, a GGUF's 4- and 8-bit matrices become int4 / int8 layers as they are read (their own
     values, no float copy of the model); float tensors, and everything on CUDA, stay in `dtype`."""
     if quantization not in ("auto", "none") and device.type != "cpu":
         raise ValueError(f"--quantization {quantization} runs on CPU only; on {device.type} use --dtype bfloat16")
-    decoder = Decoder.allocate(config, max_positions, dtype, device)
+    decoder = Decoder.allocate(config, max_positions, dtype, device, tp)
     own_quantized = quantization == "auto" and onednn_usable(device, torch.bfloat16)
     decoder.load_weights(
         read_weights(path, config, keep_quantized=own_quantized),
@@ -102,6 +130,25 @@ def build_decoder(
     elif prepack_weights and onednn_usable(device, dtype):
         pack_linears(decoder, keep_weights)  # the linears still dense
     return decoder.eval()
+
+
+def tensor_parallel_settings(settings: Settings, tp: TensorParallel) -> Settings:
+    """A rank of a group of more than one: dense linears (int4/int8 groups are not cut along the slices' boundaries),
+    float32 on CPU under --dtype auto (the exact reference), and eager steps (no torch.compile, no CUDA graphs: the
+    collectives and the per-step broadcast are not in those graphs yet)."""
+    if tp.world_size == 1:
+        return settings
+    update: dict[str, str | bool] = {"torch_compile": False, "enforce_eager": True}
+    if settings.quantization in ("int8", "int4"):
+        log.warning("--tensor-parallel-size %d: --quantization %s ignored, dense linears", tp.world_size,
+                    settings.quantization)  # fmt: skip
+    update["quantization"] = "none"
+    if settings.dtype == "auto" and resolve_device(settings.device).type == "cpu":
+        update["dtype"] = "float32"
+    settings = settings.model_copy(update=update)
+    log.info("tensor-parallel rank %d of %d: dense linears, --dtype %s, eager steps", tp.rank, tp.world_size,
+             settings.dtype)  # fmt: skip
+    return settings
 
 
 def release_free_memory() -> None:
@@ -122,10 +169,15 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 
 
 class ModelRunner:
-    def __init__(self, settings: Settings, eos_token_ids: list[int]) -> None:
+    def __init__(self, settings: Settings, eos_token_ids: list[int], tp: TensorParallel = SINGLE) -> None:
+        """`tp`: this rank's place in a tensor-parallel group (its process group joined before the first step)."""
         if settings.num_threads:
             torch.set_num_threads(settings.num_threads)
+        self.tp = tp
+        settings = tensor_parallel_settings(settings, tp)
         self.device = resolve_device(settings.device)
+        if self.device.type == "cuda" and tp.world_size > 1:
+            self.device = torch.device("cuda", tp.local_rank)  # one GPU per rank
         self.dtype = resolve_dtype(settings.dtype, self.device)
         self.config = load_config(settings.model_path)
         self.max_model_len = settings.max_model_len or self.config.max_position_embeddings
@@ -143,6 +195,7 @@ class ModelRunner:
             settings.quantization,
             settings.prepack_weights,
             keep_weights=settings.torch_compile,
+            tp=tp,
         )
         self.load_seconds = time.perf_counter() - started
         release_free_memory()
@@ -166,6 +219,8 @@ class ModelRunner:
         self.compiled_forward: Callable[[Batch], torch.Tensor] | None = None
         self.compiled_one_row: Callable[[Batch], torch.Tensor] | None = None
         self.compile_seconds = 0.0
+        self.heartbeat_seconds = min(HEARTBEAT_SECONDS, settings.distributed_timeout / 3)
+        self._last_broadcast = time.monotonic()
         self.compile_error: str | None = None
         self._compiled_ready: tuple[Callable[[Batch], torch.Tensor], Callable[[Batch], torch.Tensor]] | None = None
         self._compile_done = threading.Event()
@@ -272,14 +327,16 @@ class ModelRunner:
 
     def _allocate_kv_cache(self, settings: Settings) -> int:
         c = self.config
-        per_block = 2 * c.num_layers * self.block_size * c.num_kv_heads * c.head_dim * self.dtype.itemsize
+        # this rank's KV heads; blocks counted for the rank with the most, so that every rank has the same number
+        heads = head_shard(c.num_heads, c.num_kv_heads, self.tp.world_size, self.tp.rank)
+        per_block = 2 * c.num_layers * self.block_size * heads.max_kv * c.head_dim * self.dtype.itemsize
         budget = settings.kv_cache_memory
         if budget == 0 and self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = int(free * settings.gpu_memory_utilization)
         num_blocks = max(1, budget // per_block)
         # one more block than the BlockManager gets: scratch space for the dummy rows of a CUDA graph's padding
-        shape = (num_blocks + 1, self.block_size, c.num_kv_heads, c.head_dim)  # flash-attn's paged layout
+        shape = (num_blocks + 1, self.block_size, heads.kv.size, c.head_dim)  # flash-attn's paged layout
         # flash-attn's paged kernel takes pages of a multiple of 256 tokens and 16-bit inputs
         use_flash = flash_attn_usable(self.device) and self.dtype != torch.float32 and self.block_size % 256 == 0
         if flash_attn_usable(self.device) and not use_flash:
@@ -300,6 +357,9 @@ class ModelRunner:
         return "flash-attn" if attn.use_flash else "triton" if attn.use_triton else "torch-sdpa"
 
     def prepare(self, scheduled: list[ScheduledSeq]) -> Batch:
+        return self._batch(self._step_inputs(scheduled))
+
+    def _step_inputs(self, scheduled: list[ScheduledSeq]) -> StepInputs:
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -321,6 +381,10 @@ class ModelRunner:
                 logits_indices.extend(range(len(input_ids) - 1 - s.num_spec, len(input_ids)))
         max_blocks = max(len(s.seq.block_table) for s in scheduled)
         tables = [s.seq.block_table + [-1] * (max_blocks - len(s.seq.block_table)) for s in scheduled]
+        return StepInputs(input_ids, positions, slots, query_lens, context_lens, logits_indices, tables)
+
+    def _batch(self, inputs: StepInputs) -> Batch:
+        query_lens, context_lens, tables, bs = inputs.query_lens, inputs.context_lens, inputs.tables, self.block_size
         num_decode = 0
         while num_decode < len(query_lens) and query_lens[num_decode] == 1:
             num_decode += 1
@@ -332,13 +396,13 @@ class ModelRunner:
         for n in query_lens:
             cu.append(cu[-1] + n)
         batch = Batch(
-            input_ids=tensor(input_ids, torch.int64),
-            positions=tensor(positions, torch.int64),
-            slot_mapping=tensor(slots, torch.int64),
+            input_ids=tensor(inputs.input_ids, torch.int64),
+            positions=tensor(inputs.positions, torch.int64),
+            slot_mapping=tensor(inputs.slots, torch.int64),
             block_tables=tensor(tables, torch.int32),
             context_lens=tensor(context_lens, torch.int32),
             query_start_loc=tensor(cu, torch.int32),
-            logits_indices=tensor(logits_indices, torch.int64),
+            logits_indices=tensor(inputs.logits_indices, torch.int64),
             num_decode=num_decode,
             max_query_len=max(query_lens),
             max_context_len=max(context_lens),
@@ -359,7 +423,9 @@ class ModelRunner:
     def run(self, scheduled: list[ScheduledSeq], generators: list[torch.Generator | None]) -> StepSample | None:
         """One forward over all scheduled tokens; for each row that reached its end, the tokens it produced: one,
         or, for a row with proposals, the proposals the target agrees with and the target's next token."""
-        batch = self.prepare(scheduled)
+        inputs = self._step_inputs(scheduled)
+        self._send(inputs)  # the other ranks run the same forward, joining its all-reduces
+        batch = self._batch(inputs)
         rows = [s for s in scheduled if s.samples]
         graph_logits = self.decode_graphs.run(batch) if self.decode_graphs is not None and rows else None
         if graph_logits is not None:
@@ -418,6 +484,36 @@ class ModelRunner:
                     torch.rand(1, dtype=torch.float64, generator=generator, device=generator.device)
             at += len(proposals) + 1
         return StepSample(tokens, logprobs)
+
+    # ---- tensor parallelism ----------------------------------------------------------------------------------
+    def _send(self, message: StepInputs | WorkerCommand) -> None:
+        if self.tp.world_size > 1:
+            self.tp.broadcast_object(message)
+            self._last_broadcast = time.monotonic()
+
+    def keepalive(self) -> None:
+        """Rank 0, idle: a heartbeat when none has gone out for a while. The other ranks wait for the next step
+        inside a collective, which would otherwise time out on an idle server; and a rank that died or hangs is
+        noticed here (the broadcast raises) rather than at the next request."""
+        if self.tp.world_size > 1 and time.monotonic() - self._last_broadcast > self.heartbeat_seconds:
+            self._send(WorkerCommand.HEARTBEAT)
+
+    def stop_workers(self) -> None:
+        """Rank 0: tell the other ranks' follow() loops to return."""
+        self._send(WorkerCommand.STOP)
+
+    @torch.inference_mode()
+    def follow(self) -> None:
+        """Ranks other than 0: run every step rank 0 sends (the forward, the all-reduces, this rank's share of the
+        logits) until it sends STOP. Raises when rank 0 is gone or silent past --distributed-timeout."""
+        while True:
+            message = self.tp.broadcast_object(None)
+            if message is WorkerCommand.STOP:
+                return
+            if isinstance(message, StepInputs):
+                hidden = self.decoder(self._batch(message))
+                if message.logits_indices:
+                    self.decoder.compute_logits(hidden)  # the gather to rank 0 needs every rank's slice
 
     def _grammar_bitmask(self, rows: list[ScheduledSeq]) -> tuple[torch.Tensor, list[int]]:
         """Allowed tokens of every sampling row of a constrained sequence; a row with proposals walks its matcher

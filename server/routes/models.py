@@ -38,6 +38,8 @@ async def health(request: Request) -> JSONResponse:
             f"model failed to load: {state.load_error}" if state.load_error else "the model is still loading",
             code="model_loading",
         )
-    if state.async_engine.dead or not state.async_engine.engine.stats().is_alive:
-        raise APIError(503, "the inference engine has stopped", code="engine_dead")
+    stats = state.async_engine.engine.stats()
+    if state.async_engine.dead or not stats.is_alive:
+        reason = state.async_engine.failure or getattr(stats, "error", None)
+        raise APIError(503, "the inference engine has stopped" + (f": {reason}" if reason else ""), code="engine_dead")
     return JSONResponse({"status": "ok", "decode_step": state.async_engine.engine.runner.decode_step_state})

@@ -87,9 +87,11 @@ def test_every_turn_sends_the_history_and_settings(browser: Browser, server: Liv
     )
     ready(page)
     bodies: list[dict[str, Any]] = []
+    sessions: list[str | None] = []
 
     def answer(route: Route) -> None:
         bodies.append(route.request.post_data_json)
+        sessions.append(route.request.headers.get("x-session-id"))
         fulfill_stream(route, f"answer {len(bodies)}")
 
     page.route(CHAT_ROUTE, answer)
@@ -115,6 +117,8 @@ def test_every_turn_sends_the_history_and_settings(browser: Browser, server: Liv
         {"role": "user", "content": "second"},
     ]
     assert bodies[1]["response_format"] == {"type": "json_object"}
+    # both turns name their conversation, so that nginx's session affinity keeps them on one replica
+    assert sessions == [stored_conversations(page)[0]["id"]] * 2
     page.context.close()
     assert problems.errors == []
 

@@ -9,9 +9,11 @@ export class ApiError extends Error {
   }
 }
 
-function headers(apiKey) {
+function headers(apiKey, sessionId = "") {
   const result = { "Content-Type": "application/json" };
   if (apiKey) result.Authorization = `Bearer ${apiKey}`;
+  // behind the compose `scale` profile's nginx, a conversation's turns go to the replica holding its prefix cache
+  if (sessionId) result["X-Session-Id"] = sessionId;
   return result;
 }
 
@@ -40,9 +42,9 @@ export async function listModels(apiKey) {
 }
 
 /** The chunks of a streamed chat completion, one parsed JSON object each; ends at `data: [DONE]`. */
-export async function* streamChat(body, apiKey, signal) {
+export async function* streamChat(body, apiKey, signal, sessionId = "") {
   const response = await fetch("/v1/chat/completions", {
-    method: "POST", headers: headers(apiKey), body: JSON.stringify(body), signal,
+    method: "POST", headers: headers(apiKey, sessionId), body: JSON.stringify(body), signal,
   }).catch((error) => { throw lost(error); });
   if (!response.ok) throw await failure(response);
   const reader = response.body.pipeThrough(new TextDecoderStream()).getReader();

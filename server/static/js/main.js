@@ -95,7 +95,7 @@ async function answer(conversation) {
   conversation.updated = Date.now();
   streaming = { conversation, reply, controller: new AbortController() };
   render();
-  await streamAnswer(body, settings.apiKey, reply, streaming.controller.signal, drawStreaming);
+  await streamAnswer(body, settings.apiKey, reply, streaming.controller.signal, drawStreaming, conversation.id);
   streaming = null;
   persist();
   render();

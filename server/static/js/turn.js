@@ -32,15 +32,16 @@ export function describe(error) {
 
 /**
  * Stream the answer into `reply` (a message object, saved with the conversation), calling `onText` after each piece
- * of text. Ends with reply.state "done", "stopped" (signal aborted) or "error" (reply.error says why).
+ * of text. Ends with reply.state "done", "stopped" (signal aborted) or "error" (reply.error says why). `sessionId`:
+ * the conversation's id, sent as X-Session-Id.
  */
-export async function streamAnswer(body, apiKey, reply, signal, onText) {
+export async function streamAnswer(body, apiKey, reply, signal, onText, sessionId = "") {
   const started = performance.now();
   let first = null;
   let usage = null;
   reply.state = "streaming";
   try {
-    for await (const chunk of streamChat(body, apiKey, signal)) {
+    for await (const chunk of streamChat(body, apiKey, signal, sessionId)) {
       const choice = chunk.choices?.[0];
       if (choice?.delta?.content) {
         first ??= performance.now();
