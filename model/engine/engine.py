@@ -51,6 +51,7 @@ class EngineStats:
     error: str | None = None  # why the worker thread stopped, once it has (a tensor-parallel rank died, ...)
     tensor_parallel_size: int = 1
     all_reduce_seconds: float = 0.0  # rank 0's time inside all-reduces, waiting for the other ranks included
+    decode_step: str = "eager"  # compiling (eager steps serve meanwhile), compiled, or eager
 
 
 @dataclass(slots=True)
@@ -222,6 +223,7 @@ class Engine:
             error=self.failure,
             tensor_parallel_size=self.runner.tp.world_size,
             all_reduce_seconds=self.runner.tp.stats.all_reduce_seconds,
+            decode_step=self.runner.decode_step_state,
         )
 
     # ---- worker thread ---------------------------------------------------------------------------------------

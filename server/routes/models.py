@@ -42,4 +42,4 @@ async def health(request: Request) -> JSONResponse:
     if state.async_engine.dead or not stats.is_alive:
         reason = state.async_engine.failure or getattr(stats, "error", None)
         raise APIError(503, "the inference engine has stopped" + (f": {reason}" if reason else ""), code="engine_dead")
-    return JSONResponse({"status": "ok", "decode_step": state.async_engine.engine.runner.decode_step_state})
+    return JSONResponse({"status": "ok", "decode_step": stats.decode_step})
