@@ -354,13 +354,28 @@ def plot(levels: list[LevelResult], path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def stop_process(proc: subprocess.Popen) -> None:
+    """SIGTERM (a server drains), then SIGKILL after 60 s."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 class SpawnedServer:
     """`llmserve serve` on a free loopback port; stopped with SIGTERM."""
 
     def __init__(self, extra_args: list[str]) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port()
         # The server's output for its whole life, and kept afterwards (its name is in the errors): no `with`.
         self.log = tempfile.NamedTemporaryFile(prefix="llmserve-bench-", suffix=".log", delete=False)  # noqa: SIM115
         cmd = [
@@ -394,13 +409,7 @@ class SpawnedServer:
         raise TimeoutError(f"llmserve not healthy after {timeout:.0f}s; log: {self.log.name}")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
 
 
 @dataclass(slots=True)

@@ -16,8 +16,6 @@ import argparse
 import asyncio
 import os
 import shlex
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -34,10 +32,12 @@ from serve_bench import (  # noqa: E402
     Client,
     LevelResult,
     RssSampler,
+    free_port,
     percentile,
     run_level,
     run_long_prompts,
     size_prompt,
+    stop_process,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -48,11 +48,11 @@ DEFAULT_GGUF = ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 class Server:
     """One server process on a free loopback port; its output kept in a temp file; stopped with SIGTERM."""
 
-    def __init__(self, name: str, cmd: list[str], port: int, env: dict[str, str] | None = None) -> None:
+    def __init__(self, name: str, cmd: list[str], port: int) -> None:
         self.name, self.port = name, port
         self.log = tempfile.NamedTemporaryFile(prefix=f"versus-{name}-", suffix=".log", delete=False)  # noqa: SIM115
         self.started = time.perf_counter()
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
         self.url = f"http://127.0.0.1:{port}/v1"
 
     async def first_answer(self, timeout: float = 600) -> float:
@@ -85,19 +85,7 @@ class Server:
         raise TimeoutError(f"{self.name}: decode step still compiling after {timeout:.0f}s; log {self.log.name}")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+        stop_process(self.proc)
 
 
 @dataclass
