@@ -44,6 +44,15 @@ class GroupQuantized:
         q = ((w - minimum[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.uint8)
         return cls(4, q.view(out_features, in_features), scale, minimum)
 
+    @classmethod
+    def int8_from_float(cls, weight: torch.Tensor) -> "GroupQuantized":
+        """Symmetric per group, as GGUF's Q8_0: q in -127..127, scale = the group's largest magnitude / 127."""
+        out_features, in_features = weight.shape
+        w = weight.detach().float().view(out_features, in_features // GROUP, GROUP)
+        scale = (w.abs().amax(dim=-1) / 127).clamp(min=1e-10)
+        q = (w / scale[..., None]).round().clamp(-127, 127).to(torch.int8)
+        return cls(8, q.view(out_features, in_features), scale)
+
     @staticmethod
     def cat(parts: "list[GroupQuantized]") -> "GroupQuantized":
         """Row blocks of one fused matrix (q, k, v) as one."""

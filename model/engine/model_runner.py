@@ -26,6 +26,7 @@ from model.decoder import Decoder
 from model.engine.cuda_graphs import DecodeGraphs
 from model.engine.scheduler import ScheduledSeq
 from model.engine.sequence import SamplingParams, Sequence, TokenLogprob
+from model.layers import group_kernels
 from model.layers.attention import flash_attn_usable
 from model.layers.linear import onednn_usable, pack_linears
 from model.layers.quantization import install_quantized, quantize
@@ -111,14 +112,18 @@ def build_decoder(
     prepack_weights: bool = True,
     keep_weights: bool = False,
     tp: TensorParallel = SINGLE,
+    cache_dir: str = "",
 ) -> Decoder:
     """Allocate the decoder (this rank's slice) without random init, stream the checkpoint into it tensor by tensor,
     then give its linear layers their CPU form: quantized, or reordered once for oneDNN.
 
     quantization auto: on CPU, a GGUF's 4- and 8-bit matrices become int4 / int8 layers as they are read (their own
-    values, no float copy of the model); float tensors, and everything on CUDA, stay in `dtype`."""
+    values, no float copy of the model); float tensors, and everything on CUDA, stay in `dtype`. Quantized layers run
+    on our grouped kernel, built into `cache_dir` on first use, where a compiler is found (group_kernels.py)."""
     if quantization not in ("auto", "none") and device.type != "cpu":
         raise ValueError(f"--quantization {quantization} runs on CPU only; on {device.type} use --dtype bfloat16")
+    if device.type == "cpu" and quantization != "none":
+        group_kernels.load(cache_dir)
     decoder = Decoder.allocate(config, max_positions, dtype, device, tp)
     own_quantized = quantization == "auto" and onednn_usable(device, torch.bfloat16)
     decoder.load_weights(
@@ -196,6 +201,7 @@ class ModelRunner:
             settings.prepack_weights,
             keep_weights=settings.torch_compile,
             tp=tp,
+            cache_dir=settings.cache_dir,
         )
         self.load_seconds = time.perf_counter() - started
         release_free_memory()

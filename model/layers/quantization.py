@@ -10,6 +10,7 @@ Q4_0 / Q4_1 / Q4_K run as int4 on their own values, scales and minimums, Q8_0 as
 import torch
 from torch import nn
 
+from model.layers import group_kernels
 from model.layers.linear import PackedLinear, is_one_row, one_row_linear, onednn_usable
 from model.qtensor import GROUP, GroupQuantized
 
@@ -54,6 +55,38 @@ def int8_per_row(weight: torch.Tensor | GroupQuantized) -> tuple[torch.Tensor, t
         q[start:end] = torch.round(part / row_scales[:, None]).clamp(-127, 127)
         scales[start:end] = row_scales
     return q, scales
+
+
+class GroupLinear(WeightOnlyLinear):
+    """A checkpoint's own groups (or a float weight's, grouped at load) through our kernel (group_kernels.py):
+    float32 scales and minimums, float32 sums; 4-bit values packed two to a byte, 8-bit ones as they are."""
+
+    weight: torch.Tensor  # buffers (register_buffer below)
+    scale: torch.Tensor
+    minimum: torch.Tensor | None
+
+    def __init__(self, linear: nn.Linear, weight: GroupQuantized) -> None:
+        super().__init__(linear)
+        self.bits = weight.bits
+        q = group_kernels.pack_nibbles(weight.q) if weight.bits == 4 else weight.q.to(torch.int8)
+        self.register_buffer("weight", q)
+        self.register_buffer("scale", weight.scale.float().contiguous())
+        self.register_buffer("minimum", None if weight.minimum is None else weight.minimum.float().contiguous())
+
+    @staticmethod
+    def supports(linear: nn.Linear) -> bool:
+        return linear.in_features % GROUP == 0 and group_kernels.load()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        y = group_kernels.group_linear(
+            x.reshape(-1, self.in_features).float(), self.weight, self.scale, self.minimum, self.bits
+        )
+        y = y.to(x.dtype).reshape(*shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int{self.bits} groups of {GROUP}"
 
 
 class Int8Linear(WeightOnlyLinear):
@@ -123,9 +156,10 @@ class Int4Linear(WeightOnlyLinear):
 def quantize(module: nn.Module, method: str) -> None:
     """Replace the linear layers below `module` in place.
 
-    int8: every nn.Linear, the LM head included. int4: the decoder layers' linears; the LM head (and any linear the
-    kernel's shape rules exclude) runs in bfloat16 through oneDNN instead, because the vocabulary projection is where
-    int4's error shows most, and a tied head is the embedding, which GGUF files keep at 8 bits or more."""
+    int8: every nn.Linear, the LM head included. int4: the decoder layers' linears; the LM head stays at 8 bits
+    (our kernel) or bfloat16 (oneDNN, without it), because the vocabulary projection is where int4's error shows most,
+    and a tied head is the embedding, which GGUF files keep at 8 bits or more. A linear whose shape no kernel takes
+    stays dense."""
     if method not in ("int8", "int4"):
         raise ValueError(f"unknown quantization {method!r}; supported: int8, int4")
     if method == "int4" and not onednn_usable(torch.device("cpu"), torch.bfloat16):
@@ -134,13 +168,45 @@ def quantize(module: nn.Module, method: str) -> None:
         for attr, linear in list(child.named_children()):
             if not isinstance(linear, nn.Linear):
                 continue
-            if method == "int8":
-                replacement: nn.Module = Int8Linear(linear)
-            elif Int4Linear.supports(linear) and not (name == "" and attr == "lm_head"):
+            if method == "int8" and GroupLinear.supports(linear):
+                replacement: nn.Module = GroupLinear(linear, GroupQuantized.int8_from_float(linear.weight))
+            elif method == "int8":
+                replacement = Int8Linear(linear)
+            elif name == "" and attr == "lm_head" and GroupLinear.supports(linear):
+                replacement = GroupLinear(linear, GroupQuantized.int8_from_float(linear.weight))
+            elif name == "" and attr == "lm_head":
+                replacement = PackedLinear(linear, torch.bfloat16)
+            elif GroupLinear.supports(linear):
+                replacement = GroupLinear(linear, GroupQuantized.int4_from_float(linear.weight))
+            elif Int4Linear.supports(linear):
                 replacement = Int4Linear(linear)
+            elif group_kernels.load():  # a shape no 4-bit kernel takes: dense, in the model's dtype
+                replacement = PackedLinear(linear)
             else:
                 replacement = PackedLinear(linear, torch.bfloat16)
             setattr(child, attr, replacement)
+
+
+class GroupEmbedding(nn.Module):
+    """Token embeddings kept as a checkpoint's 8-bit groups (Q8_0); a tied LM head (GroupLinear) reads the same
+    tensors, so the vocabulary matrix is held once, in the file's own values."""
+
+    weight: torch.Tensor  # buffers (register_buffer below)
+    scale: torch.Tensor
+
+    def __init__(self, weight: GroupQuantized, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.register_buffer("weight", weight.q.to(torch.int8))  # [vocab, hidden]
+        self.register_buffer("scale", weight.scale.float().contiguous())  # [vocab, hidden / 32]
+        self.dtype = dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        q = self.weight[ids].float()
+        rows = q.view(*q.shape[:-1], -1, GROUP) * self.scale[ids][..., None]
+        return rows.view(q.shape).to(self.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, int8 groups of {GROUP}"
 
 
 class Int8Embedding(nn.Module):
@@ -172,6 +238,15 @@ def install_quantized(decoder: nn.Module, name: str, weight: GroupQuantized, dty
     module = decoder.get_submodule(path)
     parent_path, _, child = path.rpartition(".")
     parent = decoder.get_submodule(parent_path)
+    if isinstance(module, nn.Embedding) and weight.bits == 8 and group_kernels.load():
+        embedding = GroupEmbedding(weight, dtype)
+        parent.register_module(child, embedding)
+        lm_head = decoder.get_submodule("lm_head")
+        if isinstance(lm_head, nn.Linear) and lm_head.weight is module.weight:  # tied
+            head = GroupLinear(lm_head, GroupQuantized(8, weight.q[:0], weight.scale[:0]))
+            head.weight, head.scale = embedding.weight, embedding.scale  # the same tensors, held once
+            decoder.register_module("lm_head", head)
+        return
     if isinstance(module, nn.Embedding):
         q, scales = int8_per_row(weight)
         parent.register_module(child, Int8Embedding(q, scales, dtype))
@@ -180,7 +255,9 @@ def install_quantized(decoder: nn.Module, name: str, weight: GroupQuantized, dty
             decoder.register_module("lm_head", Int8Linear(lm_head, (q, scales)))
         return
     assert isinstance(module, nn.Linear) and attr == "weight"
-    if weight.bits == 4 and Int4Linear.supports(module):
+    if GroupLinear.supports(module):
+        parent.register_module(child, GroupLinear(module, weight))
+    elif weight.bits == 4 and Int4Linear.supports(module):
         parent.register_module(child, Int4Linear(module, weight))
     elif weight.bits == 8:
         parent.register_module(child, Int8Linear(module, int8_per_row(weight)))

@@ -4,9 +4,10 @@ import pytest
 import torch
 from torch import nn
 
-from model.engine.model_runner import c_compiler_found
+from model.engine.model_runner import c_compiler_found, cpu_has_bfloat16
+from model.layers import group_kernels
 from model.layers.linear import PackedLinear
-from model.layers.quantization import INT4_GROUP, Int4Linear, Int8Linear, int4_quantize, quantize
+from model.layers.quantization import INT4_GROUP, GroupLinear, Int4Linear, Int8Linear, int4_quantize, quantize
 from model.layers.tracing import compiling_here
 
 
@@ -36,7 +37,8 @@ def test_int8_quantize_replaces_every_linear() -> None:
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Sequential(nn.Linear(64, 32, bias=False)))
     quantize(model, "int8")
     assert not any(isinstance(m, nn.Linear) for m in model.modules())
-    assert sum(isinstance(m, Int8Linear) for m in model.modules()) == 2
+    kind = GroupLinear if group_kernels.load() else Int8Linear
+    assert sum(isinstance(m, kind) for m in model.modules()) == 2
 
 
 def test_int4_recovers_a_q4_1_tensor_exactly() -> None:
@@ -83,11 +85,16 @@ def test_int4_quantize_keeps_the_lm_head_and_odd_shapes_in_bfloat16() -> None:
     model = Tiny()
     reference = model.lm_head.weight.detach().clone()
     quantize(model, "int4")
-    assert isinstance(model.layers[0][0], Int4Linear)
-    assert isinstance(model.layers[0][1], PackedLinear)  # 40 inputs: not whole groups of 32
-    assert isinstance(model.lm_head, PackedLinear) and model.lm_head.dtype == torch.bfloat16
+    assert isinstance(model.layers[0][1], PackedLinear)  # 40 inputs: not whole groups of 32, dense
     x = torch.randn(3, 64)
-    ref = x.bfloat16().double() @ reference.bfloat16().double().T
+    if group_kernels.load():  # the head in 8-bit groups of its own, float32 activations
+        assert isinstance(model.layers[0][0], GroupLinear) and model.layers[0][0].bits == 4
+        assert isinstance(model.lm_head, GroupLinear) and model.lm_head.bits == 8
+        ref = x.double() @ reference.double().T
+    else:
+        assert isinstance(model.layers[0][0], Int4Linear)
+        assert isinstance(model.lm_head, PackedLinear) and model.lm_head.dtype == torch.bfloat16
+        ref = x.bfloat16().double() @ reference.bfloat16().double().T
     assert (model.lm_head(x).double() - ref).abs().max().item() <= 0.01 * ref.abs().max().item()
 
 
@@ -104,6 +111,8 @@ def test_compiled_one_row_gemv_matches_float64_reference(kind: str) -> None:
         weight = layer.weight.double() * layer.scales.double()[:, None]
     else:
         dtype = getattr(torch, kind)
+        if dtype == torch.bfloat16 and not cpu_has_bfloat16():
+            pytest.skip("oneDNN packs bfloat16 weights only on CPUs with AVX512 or AVX-NE-CONVERT")
         layer = PackedLinear(linear.to(dtype), keep_weight=True)
         weight, x = linear.weight.double(), x.to(dtype)
     ref = x.double() @ weight.T + linear.bias.double()

@@ -1,0 +1,117 @@
+"""Our CPU kernel for a checkpoint's own quantized groups (group_gemm.cpp), built once with the system C++ compiler
+and kept in the cache directory; where it cannot be built (no compiler, no ninja, not x86 with AVX2) the layers use
+torch's int4/int8 kernels instead, and say so once in the log.
+
+`group_linear(x, q, scale, minimum, bits)`: x float32 [M, K] -> [M, N], W[n, k] = q * scale + minimum per group of
+32 input columns; an op of its own (`torch.ops.llmserve_kernels.group_linear`), so compiled graphs call it too."""
+
+import hashlib
+import logging
+import os
+import shutil
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("llmserve.kernels")
+
+SOURCE = Path(__file__).with_name("group_gemm.cpp")
+GROUP = 32
+
+_lock = threading.Lock()
+_state: dict[str, bool | str] = {}
+
+
+def cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _build_flags() -> list[str]:
+    # OpenMP: at::parallel_for is inline code that runs serially without it; the library then binds to the
+    # libgomp.so.1 torch has loaded, so both share one thread pool
+    flags = ["-O3", "-std=c++17", "-fopenmp"]
+    have = cpu_flags()
+    if {"avx2", "fma"} <= have:
+        flags += ["-mavx2", "-mfma"]
+    return flags
+
+
+def build_dir(cache_dir: str) -> Path:
+    """One folder per source, flags and torch version, so a cache shared by machines or torch upgrades never loads
+    a library built for another."""
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(_build_flags()).encode() + torch.__version__.encode())
+    root = Path(cache_dir) if cache_dir else Path.home() / ".cache" / "llmserve"
+    return root / "kernels" / key.hexdigest()[:16]
+
+
+def load(cache_dir: str = "") -> bool:
+    """Build (first time) or load the kernel; True when `group_linear` is usable. Thread-safe, once per process."""
+    with _lock:
+        if "ok" in _state:
+            return bool(_state["ok"])
+        ok, why = _load(cache_dir)
+        _state["ok"] = ok
+        if ok:
+            log.info("quantized linears: our grouped float32 kernel (%s)", "AVX2" if "-mavx2" in _build_flags() else
+                     "portable C++")  # fmt: skip
+        else:
+            _state["why"] = why
+            log.warning("quantized linears: torch's int4/int8 kernels (bfloat16 scales): %s", why)
+        return ok
+
+
+def _load(cache_dir: str) -> tuple[bool, str]:
+    if os.environ.get("LLMSERVE_GROUP_KERNEL", "1") == "0":
+        return False, "LLMSERVE_GROUP_KERNEL=0"
+    if not (shutil.which("c++") or shutil.which("g++")):
+        return False, "no C++ compiler on PATH"
+    try:
+        from torch.utils import cpp_extension
+
+        if not cpp_extension.is_ninja_available():
+            return False, "ninja is not installed"
+        directory = build_dir(cache_dir)
+        directory.mkdir(parents=True, exist_ok=True)
+        cpp_extension.load(
+            name="llmserve_group_gemm",
+            sources=[str(SOURCE)],
+            extra_cflags=_build_flags(),
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(directory),
+            is_python_module=False,
+            verbose=False,
+        )
+        register_fake()
+    except Exception as exc:  # noqa: BLE001 - a failed build leaves torch's kernels, which are correct
+        return False, f"building {SOURCE.name} failed: {exc!r}"[:500]
+    return True, ""
+
+
+def group_linear(
+    x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None, bits: int
+) -> torch.Tensor:
+    return torch.ops.llmserve_kernels.group_linear(x, q, scale, minimum, bits)
+
+
+def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """[N, K] values 0..15 -> [N, K / 2] uint8 in ggml's block layout (group value j low, j + 16 high)."""
+    n, k = q.shape
+    g = q.to(torch.uint8).view(n, k // GROUP, 2, GROUP // 2)
+    return (g[:, :, 0] | (g[:, :, 1] << 4)).reshape(n, k // 2)
+
+
+def register_fake() -> None:
+    """Shapes for torch.compile's tracing of the op."""
+
+    @torch.library.register_fake("llmserve_kernels::group_linear")
+    def _(
+        x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None, bits: int
+    ) -> torch.Tensor:
+        return x.new_empty(x.shape[0], scale.shape[0])

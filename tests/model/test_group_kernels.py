@@ -1,0 +1,80 @@
+"""Our grouped int4/int8 CPU kernel (model/layers/group_gemm.cpp) against a float64 product of the same dequantized
+weights, for decode-sized and prefill-sized row counts, group counts that do and do not fill its 8-wide loops, with
+and without minimums; and compiled graphs calling it."""
+
+import pytest
+import torch
+
+from model.layers import group_kernels
+from model.layers.tracing import compiling_here
+from model.qtensor import GroupQuantized
+
+pytestmark = pytest.mark.skipif(not group_kernels.load(), reason="the grouped kernel could not be built here")
+
+
+def grouped(bits: int, n: int, k: int, with_minimum: bool, seed: int) -> GroupQuantized:
+    g = torch.Generator().manual_seed(seed)
+    if bits == 4:
+        q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    else:
+        q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    scale = torch.rand(n, k // 32, generator=g) * 0.05 + 1e-3
+    minimum = -torch.rand(n, k // 32, generator=g) * 0.3 if with_minimum else None
+    return GroupQuantized(bits, q, scale, minimum)
+
+
+def error_bound(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Up to 12 rows, activations are rounded to int16 steps of their group's largest magnitude / 32767: each by at
+    most half a step, times the weights it multiplies; plus float32's rounding of the sums."""
+    rows, w = x.shape[0], weight.double().abs()
+    step = x.double().abs().view(rows, -1, 32).amax(-1) / 32767  # [rows, groups]
+    rounding = (step / 2) @ w.view(w.shape[0], -1, 32).sum(-1).T if rows <= 12 else 0
+    return rounding + 1e-6 * (x.double().abs() @ w.T)
+
+
+def run(weight: GroupQuantized, x: torch.Tensor) -> torch.Tensor:
+    q = group_kernels.pack_nibbles(weight.q) if weight.bits == 4 else weight.q
+    return group_kernels.group_linear(x, q, weight.scale, weight.minimum, weight.bits)
+
+
+@pytest.mark.parametrize("bits, with_minimum", [(4, True), (4, False), (8, False)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 12, 13, 40, 70])
+@pytest.mark.parametrize("k", [96, 576])  # 3 groups (no full 8-wide pass over the minimums), 18 groups
+def test_matches_float64_reference(bits: int, with_minimum: bool, rows: int, k: int) -> None:
+    weight = grouped(bits, 50, k, with_minimum, seed=rows + k)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    x[0, :32] *= 100  # one group far larger than the rest: each group has its own activation scale
+    reference = x.double() @ weight.dequantize().double().T
+    out = run(weight, x)
+    assert out.dtype == torch.float32 and out.shape == (rows, 50)
+    assert bool(((out.double() - reference).abs() <= error_bound(x, weight.dequantize())).all())
+
+
+def test_pack_nibbles_is_ggmls_block_layout() -> None:
+    q = torch.arange(64, dtype=torch.uint8).remainder(16).view(1, 64)
+    packed = group_kernels.pack_nibbles(q)
+    # byte j of each group: value j in the low nibble, value j + 16 in the high one
+    expected = [(j % 16) | (((j + 16) % 16) << 4) for j in range(16)] * 2
+    assert packed.tolist() == [expected]
+
+
+def test_rejects_shapes_that_are_not_whole_groups() -> None:
+    weight = grouped(4, 8, 64, True, seed=0)
+    with pytest.raises(RuntimeError, match="whole groups"):
+        group_kernels.group_linear(torch.randn(2, 48), group_kernels.pack_nibbles(weight.q), weight.scale[:, :1],
+                                   weight.minimum, 4)  # fmt: skip
+
+
+def test_a_compiled_graph_calls_the_kernel() -> None:
+    from torch import nn
+
+    from model.layers.quantization import GroupLinear
+
+    linear = nn.Linear(576, 64, bias=True)
+    weight = GroupQuantized.int4_from_float(linear.weight)
+    layer = GroupLinear(linear, weight)
+    x = torch.randn(1, 576)
+    reference = x.double() @ weight.dequantize().double().T + linear.bias.double()
+    with torch.inference_mode(), compiling_here():
+        out = torch.compile(layer, dynamic=False, fullgraph=True)(x)
+    assert bool(((out.double() - reference).abs() <= error_bound(x, weight.dequantize()) + 1e-6).all())
