@@ -17,6 +17,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/core/InferenceMode.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -208,6 +209,8 @@ void gemm_tiled(const at::Tensor& x, const uint8_t* q, const float* scale, const
   const int64_t tile = std::max<int64_t>(16, std::min<int64_t>(128, (int64_t{1} << 15) / K / 16 * 16));
   const int64_t tiles = (N + tile - 1) / tile;
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    // the caller's inference mode is thread-local: without it here, mm_out into y (an inference tensor) is refused
+    c10::InferenceMode inference;
     at::Tensor buffer = at::empty({tile, K}, x.options());
     float* w = buffer.data_ptr<float>();
     for (int64_t t = begin; t < end; ++t) {

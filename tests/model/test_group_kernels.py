@@ -78,3 +78,14 @@ def test_a_compiled_graph_calls_the_kernel() -> None:
     with torch.inference_mode(), compiling_here():
         out = torch.compile(layer, dynamic=False, fullgraph=True)(x)
     assert bool(((out.double() - reference).abs() <= error_bound(x, weight.dequantize()) + 1e-6).all())
+
+
+@pytest.mark.parametrize("mode", ["inference", "no_grad"])
+def test_many_rows_in_inference_mode_and_out_of_it(mode: str) -> None:
+    # the tiled path multiplies in the thread pool's threads, which do not inherit the caller's inference mode
+    weight = grouped(4, 300, 576, True, seed=5)
+    x = torch.randn(64, 576)
+    with torch.inference_mode() if mode == "inference" else torch.no_grad():
+        out = run(weight, x)
+    reference = x.double() @ weight.dequantize().double().T
+    assert bool(((out.double() - reference).abs() <= error_bound(x, weight.dequantize())).all())
