@@ -15,6 +15,8 @@ $(VENV)/.installed: pyproject.toml
 	# A CPU build of torch first where there is no CUDA, so pip never pulls the multi-GB CUDA build.
 	if ! command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q torch==2.13.0 || $(PY) -m pip install -q torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu; fi
 	$(PY) -m pip install -q -e '.[dev]'
+	# our grouped int4/int8 kernel, built now into ~/.cache/llmserve/kernels rather than on the first start
+	$(PY) -m model.layers.group_kernels
 	touch $@
 
 install: $(VENV)/.installed

@@ -125,7 +125,7 @@ def build_decoder(
     if device.type == "cpu" and quantization != "none":
         group_kernels.load(cache_dir)
     decoder = Decoder.allocate(config, max_positions, dtype, device, tp)
-    own_quantized = quantization == "auto" and onednn_usable(device, torch.bfloat16)
+    own_quantized = quantization == "auto" and device.type == "cpu"
     decoder.load_weights(
         read_weights(path, config, keep_quantized=own_quantized),
         on_quantized=lambda name, weight: install_quantized(decoder, name, weight, dtype),

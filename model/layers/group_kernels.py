@@ -115,3 +115,8 @@ def register_fake() -> None:
         x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None, bits: int
     ) -> torch.Tensor:
         return x.new_empty(x.shape[0], scale.shape[0])
+
+
+if __name__ == "__main__":  # `make install` builds the kernel ahead of the first start
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    load()

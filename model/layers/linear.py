@@ -12,6 +12,7 @@ A compiled forward of one row does without oneDNN: `one_row_linear` is a multipl
 one GEMV loop reading the plain weight at 25-32 GB/s, against oneDNN's 16-21 at one row (bench/gemm_backends.py).
 Layers keep their plain weight for it only when asked (`keep_weight`, under --torch-compile)."""
 
+import functools
 import weakref
 
 import torch
@@ -52,8 +53,24 @@ def is_one_row(x: torch.Tensor) -> bool:
     return traced() and guard_or_false(x.shape[0] == 1)
 
 
+@functools.cache
+def _onednn_packs(dtype: torch.dtype) -> bool:
+    """oneDNN reorders bfloat16 weights only on CPUs with AVX512 (BW, VL, DQ) or AVX-NE-CONVERT; elsewhere it
+    raises, so ask it once with a tiny tensor."""
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype), BATCH_HINT)
+    except RuntimeError:
+        return False
+    return True
+
+
 def onednn_usable(device: torch.device, dtype: torch.dtype) -> bool:
-    return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available()
+    return (
+        device.type == "cpu"
+        and dtype in (torch.float32, torch.bfloat16)
+        and torch.backends.mkldnn.is_available()
+        and _onednn_packs(dtype)
+    )
 
 
 def row_bucket(rows: int) -> int:

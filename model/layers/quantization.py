@@ -162,8 +162,8 @@ def quantize(module: nn.Module, method: str) -> None:
     stays dense."""
     if method not in ("int8", "int4"):
         raise ValueError(f"unknown quantization {method!r}; supported: int8, int4")
-    if method == "int4" and not onednn_usable(torch.device("cpu"), torch.bfloat16):
-        raise ValueError("--quantization int4 needs torch's CPU kernels (oneDNN); it runs on CPU only")
+    # without our kernel, heads and odd shapes go to oneDNN in bfloat16 where it packs that, else stay dense
+    dense_dtype = torch.bfloat16 if onednn_usable(torch.device("cpu"), torch.bfloat16) else None
     for name, child in list(module.named_modules()):
         for attr, linear in list(child.named_children()):
             if not isinstance(linear, nn.Linear):
@@ -175,7 +175,7 @@ def quantize(module: nn.Module, method: str) -> None:
             elif name == "" and attr == "lm_head" and GroupLinear.supports(linear):
                 replacement = GroupLinear(linear, GroupQuantized.int8_from_float(linear.weight))
             elif name == "" and attr == "lm_head":
-                replacement = PackedLinear(linear, torch.bfloat16)
+                replacement = PackedLinear(linear, dense_dtype)
             elif GroupLinear.supports(linear):
                 replacement = GroupLinear(linear, GroupQuantized.int4_from_float(linear.weight))
             elif Int4Linear.supports(linear):
@@ -183,7 +183,7 @@ def quantize(module: nn.Module, method: str) -> None:
             elif group_kernels.load():  # a shape no 4-bit kernel takes: dense, in the model's dtype
                 replacement = PackedLinear(linear)
             else:
-                replacement = PackedLinear(linear, torch.bfloat16)
+                replacement = PackedLinear(linear, dense_dtype)
             setattr(child, attr, replacement)
 
 
