@@ -43,12 +43,15 @@ def _build_flags() -> list[str]:
     return flags
 
 
+DEFAULT_ROOT = Path.home() / ".cache" / "llmserve"
+LIBRARY = "llmserve_group_gemm"
+
+
 def build_dir(cache_dir: str) -> Path:
     """One folder per source, flags and torch version, so a cache shared by machines or torch upgrades never loads
     a library built for another."""
     key = hashlib.sha256(SOURCE.read_bytes() + " ".join(_build_flags()).encode() + torch.__version__.encode())
-    root = Path(cache_dir) if cache_dir else Path.home() / ".cache" / "llmserve"
-    return root / "kernels" / key.hexdigest()[:16]
+    return (Path(cache_dir) if cache_dir else DEFAULT_ROOT) / "kernels" / key.hexdigest()[:16]
 
 
 def load(cache_dir: str = "") -> bool:
@@ -70,6 +73,16 @@ def load(cache_dir: str = "") -> bool:
 def _load(cache_dir: str) -> tuple[bool, str]:
     if os.environ.get("LLMSERVE_GROUP_KERNEL", "1") == "0":
         return False, "LLMSERVE_GROUP_KERNEL=0"
+    # built before: by `make install` (the default cache) or an earlier start with this --cache-dir; no compiler needed
+    for directory in (build_dir(cache_dir), build_dir("")):
+        built = directory / f"{LIBRARY}.so"
+        if built.is_file():
+            try:
+                torch.ops.load_library(str(built))
+                register_fake()
+                return True, ""
+            except (OSError, RuntimeError) as exc:
+                log.warning("could not load %s (%r); building it again", built, exc)
     if not (shutil.which("c++") or shutil.which("g++")):
         return False, "no C++ compiler on PATH"
     try:
@@ -80,7 +93,7 @@ def _load(cache_dir: str) -> tuple[bool, str]:
         directory = build_dir(cache_dir)
         directory.mkdir(parents=True, exist_ok=True)
         cpp_extension.load(
-            name="llmserve_group_gemm",
+            name=LIBRARY,
             sources=[str(SOURCE)],
             extra_cflags=_build_flags(),
             extra_ldflags=["-fopenmp"],
