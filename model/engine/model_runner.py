@@ -305,7 +305,9 @@ class ModelRunner:
         # whose attention reads the block table in its loops; only the number of blocks varies.
         # no guards on the modules: their weights and settings never change once loaded, and checking ~2,000
         # attributes before every step took 2.3 of a 23 ms one-stream step here
-        options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
+        options: dict[str, str | int | bool | Callable[..., object]] = {
+            "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe
+        }
         compiled_one_row = torch.compile(self._one_row_logits, dynamic=False, options=options)
         compiled_forward = torch.compile(self.decoder, dynamic=True, options=options)
         with torch.inference_mode():
