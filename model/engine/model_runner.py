@@ -84,11 +84,7 @@ def resolve_device(name: str) -> torch.device:
 def cpu_has_bfloat16() -> bool:
     """AVX512-BF16 or AMX: the CPU multiplies bfloat16 natively, so 16-bit activations halve what moves through
     memory at no loss of speed; without them torch emulates bfloat16, slower than float32."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return " avx512_bf16" in flags or " amx_bf16" in flags
+    return bool({"avx512_bf16", "amx_bf16"} & group_kernels.cpu_flags())
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

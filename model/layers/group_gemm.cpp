@@ -33,8 +33,7 @@
 namespace {
 
 constexpr int64_t kGroup = 32;
-constexpr int64_t kRowBlock = 32;  // rows of x per pass over the weight rows
-int64_t kFusedRows = 12;  // more rows than this take the tiled float path (measured crossover; set_fused_rows)
+constexpr int64_t kFusedRows = 12;  // more rows than this take the tiled float path (measured crossover)
 
 // Activations as int16 per group of 32 (scale = the group's largest magnitude / 32767, a relative error of at most
 // 1.5e-5 of that magnitude, between float16's and float32's), so that one madd multiplies 16 weights: about a third
@@ -145,23 +144,20 @@ void gemm(const QuantizedRows& x, int64_t M, const uint8_t* q, const float* scal
           int64_t K, float* y) {
   const int64_t groups = K / kGroup, row_bytes = groups * group_bytes(Bits);
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {  // a block of x stays in L2 while the weight rows pass
-      const int64_t m1 = std::min(M, m0 + kRowBlock);
-      for (int64_t n = begin; n < end; ++n) {
-        const uint8_t* qn = q + n * row_bytes;
-        const float* sn = scale + n * groups;
-        const float* mn = minimum ? minimum + n * groups : nullptr;
-        for (int64_t m = m0; m < m1; m += 4) {
-          const int16_t* xq = x.q.data() + m * K;
-          const float* xs = x.sum.data() + m * groups;
-          const float* xd = x.scale.data() + m * groups;
-          float* out = y + m * N + n;
-          switch (std::min<int64_t>(4, m1 - m)) {
-            case 1: dot_rows<Bits, 1>(xq, xs, xd, K, qn, sn, mn, out, N); break;
-            case 2: dot_rows<Bits, 2>(xq, xs, xd, K, qn, sn, mn, out, N); break;
-            case 3: dot_rows<Bits, 3>(xq, xs, xd, K, qn, sn, mn, out, N); break;
-            default: dot_rows<Bits, 4>(xq, xs, xd, K, qn, sn, mn, out, N); break;
-          }
+    for (int64_t n = begin; n < end; ++n) {  // at most kFusedRows rows of x: they stay in L1 while the weights pass
+      const uint8_t* qn = q + n * row_bytes;
+      const float* sn = scale + n * groups;
+      const float* mn = minimum ? minimum + n * groups : nullptr;
+      for (int64_t m = 0; m < M; m += 4) {
+        const int16_t* xq = x.q.data() + m * K;
+        const float* xs = x.sum.data() + m * groups;
+        const float* xd = x.scale.data() + m * groups;
+        float* out = y + m * N + n;
+        switch (std::min<int64_t>(4, M - m)) {
+          case 1: dot_rows<Bits, 1>(xq, xs, xd, K, qn, sn, mn, out, N); break;
+          case 2: dot_rows<Bits, 2>(xq, xs, xd, K, qn, sn, mn, out, N); break;
+          case 3: dot_rows<Bits, 3>(xq, xs, xd, K, qn, sn, mn, out, N); break;
+          default: dot_rows<Bits, 4>(xq, xs, xd, K, qn, sn, mn, out, N); break;
         }
       }
     }
@@ -262,15 +258,8 @@ at::Tensor group_linear(const at::Tensor& x, const at::Tensor& q, const at::Tens
 
 }  // namespace
 
-int64_t set_fused_rows(int64_t rows) {
-  const int64_t before = kFusedRows;
-  kFusedRows = rows;
-  return before;
-}
-
 TORCH_LIBRARY(llmserve_kernels, m) {
   m.def("group_linear(Tensor x, Tensor q, Tensor scale, Tensor? minimum, int bits) -> Tensor");
-  m.def("set_fused_rows(int rows) -> int", &set_fused_rows);
 }
 
 TORCH_LIBRARY_IMPL(llmserve_kernels, CPU, m) { m.impl("group_linear", &group_linear); }

@@ -5,6 +5,7 @@ torch's int4/int8 kernels instead, and say so once in the log.
 `group_linear(x, q, scale, minimum, bits)`: x float32 [M, K] -> [M, N], W[n, k] = q * scale + minimum per group of
 32 input columns; an op of its own (`torch.ops.llmserve_kernels.group_linear`), so compiled graphs call it too."""
 
+import functools
 import hashlib
 import logging
 import os
@@ -20,9 +21,10 @@ SOURCE = Path(__file__).with_name("group_gemm.cpp")
 GROUP = 32
 
 _lock = threading.Lock()
-_state: dict[str, bool | str] = {}
+_loaded: bool | None = None  # once tried: whether group_linear is usable
 
 
+@functools.cache
 def cpu_flags() -> set[str]:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -56,18 +58,16 @@ def build_dir(cache_dir: str) -> Path:
 
 def load(cache_dir: str = "") -> bool:
     """Build (first time) or load the kernel; True when `group_linear` is usable. Thread-safe, once per process."""
+    global _loaded
     with _lock:
-        if "ok" in _state:
-            return bool(_state["ok"])
-        ok, why = _load(cache_dir)
-        _state["ok"] = ok
-        if ok:
-            log.info("quantized linears: our grouped float32 kernel (%s)", "AVX2" if "-mavx2" in _build_flags() else
-                     "portable C++")  # fmt: skip
-        else:
-            _state["why"] = why
-            log.warning("quantized linears: torch's int4/int8 kernels (bfloat16 scales): %s", why)
-        return ok
+        if _loaded is None:
+            _loaded, why = _load(cache_dir)
+            if _loaded:
+                log.info("quantized linears: our grouped float32 kernel (%s)",
+                         "AVX2" if "-mavx2" in _build_flags() else "portable C++")  # fmt: skip
+            else:
+                log.warning("quantized linears: torch's int4/int8 kernels (bfloat16 scales): %s", why)
+        return _loaded
 
 
 def _load(cache_dir: str) -> tuple[bool, str]:

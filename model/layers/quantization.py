@@ -162,26 +162,20 @@ def quantize(module: nn.Module, method: str) -> None:
     stays dense."""
     if method not in ("int8", "int4"):
         raise ValueError(f"unknown quantization {method!r}; supported: int8, int4")
-    # without our kernel, heads and odd shapes go to oneDNN in bfloat16 where it packs that, else stay dense
+    # heads without our kernel, and shapes no kernel takes, go to oneDNN in bfloat16 where it packs that, else dense
     dense_dtype = torch.bfloat16 if onednn_usable(torch.device("cpu"), torch.bfloat16) else None
     for name, child in list(module.named_modules()):
         for attr, linear in list(child.named_children()):
             if not isinstance(linear, nn.Linear):
                 continue
-            if method == "int8" and GroupLinear.supports(linear):
-                replacement: nn.Module = GroupLinear(linear, GroupQuantized.int8_from_float(linear.weight))
+            head = name == "" and attr == "lm_head"
+            if GroupLinear.supports(linear):
+                grouped = GroupQuantized.int8_from_float if method == "int8" or head else GroupQuantized.int4_from_float
+                replacement: nn.Module = GroupLinear(linear, grouped(linear.weight))
             elif method == "int8":
                 replacement = Int8Linear(linear)
-            elif name == "" and attr == "lm_head" and GroupLinear.supports(linear):
-                replacement = GroupLinear(linear, GroupQuantized.int8_from_float(linear.weight))
-            elif name == "" and attr == "lm_head":
-                replacement = PackedLinear(linear, dense_dtype)
-            elif GroupLinear.supports(linear):
-                replacement = GroupLinear(linear, GroupQuantized.int4_from_float(linear.weight))
-            elif Int4Linear.supports(linear):
+            elif Int4Linear.supports(linear) and not head:
                 replacement = Int4Linear(linear)
-            elif group_kernels.load():  # a shape no 4-bit kernel takes: dense, in the model's dtype
-                replacement = PackedLinear(linear)
             else:
                 replacement = PackedLinear(linear, dense_dtype)
             setattr(child, attr, replacement)
@@ -243,8 +237,8 @@ def install_quantized(decoder: nn.Module, name: str, weight: GroupQuantized, dty
         parent.register_module(child, embedding)
         lm_head = decoder.get_submodule("lm_head")
         if isinstance(lm_head, nn.Linear) and lm_head.weight is module.weight:  # tied
-            head = GroupLinear(lm_head, GroupQuantized(8, weight.q[:0], weight.scale[:0]))
-            head.weight, head.scale = embedding.weight, embedding.scale  # the same tensors, held once
+            head = GroupLinear(lm_head, weight)  # int8 and float32 already: the embedding's tensors, held once
+            assert head.weight is embedding.weight and head.scale is embedding.scale
             decoder.register_module("lm_head", head)
         return
     if isinstance(module, nn.Embedding):
