@@ -21,7 +21,7 @@ class Settings(BaseSettings):
         description="built tokenizers and compiled decode steps, reused by later starts; empty = no cache",
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="auto: bfloat16 on CUDA and on CPUs with AVX512-BF16 or AMX, float32 on other CPUs"
+        "auto", description="auto: bfloat16 on CUDA, float32 on CPU"
     )
     device: str = Field("auto", description="auto, cpu or cuda[:N]")
     quantization: Literal["auto", "none", "int8", "int4"] = Field(

@@ -1,16 +1,17 @@
 // y = x @ W^T for W held as a checkpoint's own quantized groups: 32 consecutive input columns of one output row
 // share a float32 scale (and, for 4 bits, a minimum), W[n, k] = q[n, k] * scale[n, k / 32] + minimum[n, k / 32].
 // Sums are float32, so the result is the dequantized matrix's product within float32 rounding (many rows) or the
-// int16 activation rounding (few rows; a relative 2e-5 of the largest output).
+// int16 activation rounding (few rows; a relative 2e-5 of the largest output). x is float32 or bfloat16, and y
+// takes its dtype; many bfloat16 rows multiply the weights rounded to bfloat16 (a relative 2^-9 per weight).
 //
 // Why our own: torch's CPU int4/int8 kernels take bfloat16 scales (a 2^-8 error shared by a whole group, the main
 // drift from the float32 reference) and, without AVX512-BF16, run only bfloat16 activations at speed; float32
 // ones fall to a scalar loop 20-100x slower.
 //
 // Two paths. Up to 12 rows (decode): activations are quantized to int16 per group (below) and each weight group,
-// widened to int16 once, is multiplied into every row with madd, so a step reads the 4-bit bytes once. More rows
-// (batched decode, prefill): tiles of weight rows are dequantized into a cache-sized buffer and multiplied by
-// torch's float32 GEMM.
+// widened to int16 once, is multiplied into every row with madd (vpdpwssd with AVX512-VNNI), so a step reads the
+// 4-bit bytes once. More rows (batched decode, prefill): tiles of weight rows are dequantized into a cache-sized
+// buffer and multiplied by torch's GEMM.
 //
 // Layouts: 4 bits: uint8 [N, K / 2], ggml's block layout (byte j of a group holds value j in its low nibble and
 // value j + 16 in its high one). 8 bits: int8 [N, K]. scale, minimum: float32 [N, K / 32].
@@ -23,42 +24,73 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define GROUP_GEMM_AVX2 1
 #endif
+// AVX512-VNNI: one vpdpwssd multiplies a whole group (32 int16 pairs) and sums pairs, where AVX2 needs two madds
+// and an add; half the instructions per group and row
+#if defined(GROUP_GEMM_AVX2) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define GROUP_GEMM_AVX512 1
+#endif
 
 namespace {
 
 constexpr int64_t kGroup = 32;
-constexpr int64_t kFusedRows = 12;  // more rows than this take the tiled float path (measured crossover)
 
 // Activations as int16 per group of 32 (scale = the group's largest magnitude / 32767, a relative error of at most
 // 1.5e-5 of that magnitude, between float16's and float32's), so that one madd multiplies 16 weights: about a third
 // of the instructions of dequantizing to float. Their float sums are kept for the minimum's term.
+//
+// With AVX512 two groups go through one pass, in the order their 4-bit bytes widen to: one row's pair (g, g + 1) is
+// 64 values, [g 0..15, g+1 0..15, g 16..31, g+1 16..31], and each group's scale is repeated 8 times (one per int32
+// lane its sums land in); an odd last group is paired with zeros.
 struct QuantizedRows {
-  std::vector<int16_t> q;  // [M, K]
-  std::vector<float> scale;  // [M, K / 32]
+  std::vector<int16_t> q;  // [M, ldq]
+  std::vector<float> scale;  // [M, ldd]
   std::vector<float> sum;    // [M, K / 32]
+  int64_t ldq, ldd;
 };
 
+#ifdef GROUP_GEMM_AVX512
+constexpr bool kPaired = true;
+constexpr int64_t kFusedRows = 16;  // more rows than this take the tiled path (measured crossover)
+constexpr int64_t kRowsPerPass = 8;  // 32 vector registers: 8 rows' sums and the weights
+#else
+constexpr bool kPaired = false;
+constexpr int64_t kFusedRows = 12;
+constexpr int64_t kRowsPerPass = 4;
+#endif
+constexpr int64_t kBlock = 16;  // weight rows per block
+
 QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K) {
-  const int64_t groups = K / kGroup;
-  QuantizedRows out{std::vector<int16_t>(M * K), std::vector<float>(M * groups), std::vector<float>(M * groups)};
+  const int64_t groups = K / kGroup, pairs = (groups + 1) / 2;
+  const int64_t ldq = kPaired ? pairs * 2 * kGroup : K, ldd = kPaired ? pairs * 16 : groups;
+  QuantizedRows out{std::vector<int16_t>(M * ldq), std::vector<float>(M * ldd), std::vector<float>(M * groups), ldq,
+                    ldd};
   at::parallel_for(0, M * groups, 64, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      const float* v = x + (i / groups) * K + (i % groups) * kGroup;
+      const int64_t m = i / groups, g = i % groups;
+      const float* v = x + m * K + g * kGroup;
       float amax = 0.0f, sum = 0.0f;
       for (int j = 0; j < kGroup; ++j) {
         amax = std::max(amax, std::fabs(v[j]));
         sum += v[j];
       }
       const float scale = amax > 0.0f ? amax / 32767.0f : 1.0f, inverse = 1.0f / scale;
-      int16_t* q = out.q.data() + (i / groups) * K + (i % groups) * kGroup;
-      for (int j = 0; j < kGroup; ++j) q[j] = static_cast<int16_t>(std::lrintf(v[j] * inverse));
-      out.scale[i] = scale;
+      int16_t* q = out.q.data() + m * ldq;
+      for (int j = 0; j < kGroup; ++j) {
+        const int64_t at = kPaired ? (g / 2) * 64 + (j / 16) * 32 + (g % 2) * 16 + j % 16 : g * kGroup + j;
+        q[at] = static_cast<int16_t>(std::lrintf(v[j] * inverse));
+      }
+      if (kPaired) {
+        std::fill_n(out.scale.data() + m * ldd + g * 8, 8, scale);
+      } else {
+        out.scale[m * ldd + g] = scale;
+      }
       out.sum[i] = sum;
     }
   });
@@ -77,11 +109,64 @@ inline float hsum(__m256 v) {
 constexpr int64_t group_bytes(int bits) { return bits == 4 ? kGroup / 2 : kGroup; }
 
 // R rows of x (quantized) against weight row n: y[r * ldy] for r < R.
-template <int Bits, int R>
-void dot_rows(const int16_t* xq, const float* xs, const float* xd, int64_t K, const uint8_t* q, const float* scale,
-              const float* minimum, float* y, int64_t ldy) {
+template <int Bits, int R, typename T>
+void dot_rows(const int16_t* xq, int64_t ldq, const float* xs, const float* xd, int64_t ldd, int64_t K,
+              const uint8_t* q, const float* scale, const float* minimum, T* y, int64_t ldy) {
   const int64_t groups = K / kGroup;
-#ifdef GROUP_GEMM_AVX2
+#if defined(GROUP_GEMM_AVX512)
+  constexpr int C = R == 1 ? 4 : R == 2 ? 2 : 1;  // independent FMA chains per row, enough to cover its latency
+  __m512 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  // lanes 0..7 of a pair's int32 sums are group g's, 8..15 group g + 1's
+  const __m512i halves = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  for (int64_t p = 0; p < (groups + 1) / 2; ++p) {
+    const int64_t g = 2 * p;
+    const bool both = g + 1 < groups;
+    __m512i wa, wb;  // int16 in the paired order of the activations (see QuantizedRows)
+    if constexpr (Bits == 4) {
+      const uint8_t* qg = q + g * 16;
+      const __m256i packed = both ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qg))
+                                  : _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qg)));
+      const __m512i bytes = _mm512_cvtepu8_epi16(packed);  // a byte per int16: low nibble values 0..15, high 16..31
+      wa = _mm512_and_si512(bytes, _mm512_set1_epi16(0x0F));
+      wb = _mm512_srli_epi16(bytes, 4);
+    } else {
+      const uint8_t* qg = q + g * 32;
+      auto halves_of = [&](int64_t offset) {
+        const __m128i first = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qg + offset));
+        return both ? _mm256_inserti128_si256(_mm256_castsi128_si256(first),
+                                              _mm_loadu_si128(reinterpret_cast<const __m128i*>(qg + 32 + offset)), 1)
+                    : _mm256_zextsi128_si256(first);
+      };
+      wa = _mm512_cvtepi8_epi16(halves_of(0));
+      wb = _mm512_cvtepi8_epi16(halves_of(16));
+    }
+    const __m128 two = both ? _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(scale + g)))
+                            : _mm_load_ss(scale + g);
+    const __m512 d = _mm512_permutexvar_ps(halves, _mm512_castps128_ps512(two));
+    for (int r = 0; r < R; ++r) {
+      const int16_t* xr = xq + r * ldq + p * 64;
+      __m512i sum = _mm512_dpwssd_epi32(_mm512_setzero_si512(), wa, _mm512_loadu_si512(xr));
+      sum = _mm512_dpwssd_epi32(sum, wb, _mm512_loadu_si512(xr + 32));
+      const __m512 scaled = _mm512_mul_ps(d, _mm512_loadu_ps(xd + r * ldd + p * 16));
+      acc[r][p % C] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scaled, acc[r][p % C]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    __m512 total = acc[r][0];
+    for (int c = 1; c < C; ++c) total = _mm512_add_ps(total, acc[r][c]);
+    float tail = 0.0f;
+    if (minimum) {
+      const float* xsr = xs + r * groups;
+      int64_t g = 0;
+      for (; g + 16 <= groups; g += 16)
+        total = _mm512_fmadd_ps(_mm512_loadu_ps(minimum + g), _mm512_loadu_ps(xsr + g), total);
+      for (; g < groups; ++g) tail += minimum[g] * xsr[g];
+    }
+    y[r * ldy] = static_cast<T>(_mm512_reduce_add_ps(total) + tail);
+  }
+#elif defined(GROUP_GEMM_AVX2)
   __m256 acc[R][2];  // two chains per row, alternating groups: one would wait on the FMA's latency
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
@@ -97,11 +182,11 @@ void dot_rows(const int16_t* xq, const float* xs, const float* xd, int64_t K, co
     }
     const __m256 d = _mm256_broadcast_ss(scale + g);
     for (int r = 0; r < R; ++r) {
-      const int16_t* xr = xq + r * K + g * kGroup;
+      const int16_t* xr = xq + r * ldq + g * kGroup;
       const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr));
       const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + 16));
       const __m256i sum = _mm256_add_epi32(_mm256_madd_epi16(w0, x0), _mm256_madd_epi16(w1, x1));
-      const __m256 scaled = _mm256_mul_ps(d, _mm256_broadcast_ss(xd + r * groups + g));
+      const __m256 scaled = _mm256_mul_ps(d, _mm256_broadcast_ss(xd + r * ldd + g));
       acc[r][g & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), scaled, acc[r][g & 1]);
     }
   }
@@ -115,7 +200,7 @@ void dot_rows(const int16_t* xq, const float* xs, const float* xd, int64_t K, co
         total = _mm256_fmadd_ps(_mm256_loadu_ps(minimum + g), _mm256_loadu_ps(xsr + g), total);
       for (; g < groups; ++g) tail += minimum[g] * xsr[g];
     }
-    y[r * ldy] = hsum(total) + tail;
+    y[r * ldy] = static_cast<T>(hsum(total) + tail);
   }
 #else
   for (int r = 0; r < R; ++r) {
@@ -129,35 +214,46 @@ void dot_rows(const int16_t* xq, const float* xs, const float* xd, int64_t K, co
         } else {
           w = static_cast<int8_t>(q[g * 32 + j]);
         }
-        sum += w * xq[r * K + g * kGroup + j];
+        sum += w * xq[r * ldq + g * kGroup + j];
       }
-      total += static_cast<float>(sum) * scale[g] * xd[r * groups + g];
+      total += static_cast<float>(sum) * scale[g] * xd[r * ldd + g];
       if (minimum) total += minimum[g] * xs[r * groups + g];
     }
-    y[r * ldy] = total;
+    y[r * ldy] = static_cast<T>(total);
   }
 #endif
 }
 
-template <int Bits>
+template <int Bits, typename T>
 void gemm(const QuantizedRows& x, int64_t M, const uint8_t* q, const float* scale, const float* minimum, int64_t N,
-          int64_t K, float* y) {
+          int64_t K, T* y) {
   const int64_t groups = K / kGroup, row_bytes = groups * group_bytes(Bits);
-  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) {  // at most kFusedRows rows of x: they stay in L1 while the weights pass
-      const uint8_t* qn = q + n * row_bytes;
-      const float* sn = scale + n * groups;
-      const float* mn = minimum ? minimum + n * groups : nullptr;
-      for (int64_t m = 0; m < M; m += 4) {
-        const int16_t* xq = x.q.data() + m * K;
+  at::parallel_for(0, N, kBlock, [&](int64_t begin, int64_t end) {
+    // a block of weight rows for each pass of rows of x: the pass's activations stay in L1 across the block
+    for (int64_t block = begin; block < end; block += kBlock) {
+      for (int64_t m = 0; m < M; m += kRowsPerPass) {
+        const int16_t* xq = x.q.data() + m * x.ldq;
         const float* xs = x.sum.data() + m * groups;
-        const float* xd = x.scale.data() + m * groups;
-        float* out = y + m * N + n;
-        switch (std::min<int64_t>(4, M - m)) {
-          case 1: dot_rows<Bits, 1>(xq, xs, xd, K, qn, sn, mn, out, N); break;
-          case 2: dot_rows<Bits, 2>(xq, xs, xd, K, qn, sn, mn, out, N); break;
-          case 3: dot_rows<Bits, 3>(xq, xs, xd, K, qn, sn, mn, out, N); break;
-          default: dot_rows<Bits, 4>(xq, xs, xd, K, qn, sn, mn, out, N); break;
+        const float* xd = x.scale.data() + m * x.ldd;
+        for (int64_t n = block; n < std::min(block + kBlock, end); ++n) {
+          const uint8_t* qn = q + n * row_bytes;
+          const float* sn = scale + n * groups;
+          const float* mn = minimum ? minimum + n * groups : nullptr;
+          T* out = y + m * N + n;
+          switch (std::min<int64_t>(kRowsPerPass, M - m)) {
+            case 1: dot_rows<Bits, 1, T>(xq, x.ldq, xs, xd, x.ldd, K, qn, sn, mn, out, N); break;
+            case 2: dot_rows<Bits, 2, T>(xq, x.ldq, xs, xd, x.ldd, K, qn, sn, mn, out, N); break;
+            case 3: dot_rows<Bits, 3, T>(xq, x.ldq, xs, xd, x.ldd, K, qn, sn, mn, out, N); break;
+#ifdef GROUP_GEMM_AVX512
+            case 4: dot_rows<Bits, 4, T>(xq, x.ldq, xs, xd, x.ldd, K, qn, sn, mn, out, N); break;
+            case 5: dot_rows<Bits, 5, T>(xq, x.ldq, xs, xd, x.ldd, K, qn, sn, mn, out, N); break;
+            case 6: dot_rows<Bits, 6, T>(xq, x.ldq, xs, xd, x.ldd, K, qn, sn, mn, out, N); break;
+            case 7: dot_rows<Bits, 7, T>(xq, x.ldq, xs, xd, x.ldd, K, qn, sn, mn, out, N); break;
+            default: dot_rows<Bits, 8, T>(xq, x.ldq, xs, xd, x.ldd, K, qn, sn, mn, out, N); break;
+#else
+            default: dot_rows<Bits, 4, T>(xq, x.ldq, xs, xd, x.ldd, K, qn, sn, mn, out, N); break;
+#endif
+          }
         }
       }
     }
@@ -195,26 +291,44 @@ void dequantize_row(const uint8_t* q, const float* scale, const float* minimum, 
   }
 }
 
-// Many rows: tiles of weight rows dequantized into a cache-sized float buffer, each multiplied by torch's own
-// float32 GEMM (single-threaded inside this parallel loop), so prefill runs at the dense kernel's speed without a
-// float copy of the matrix.
-template <int Bits>
+// Round to nearest even, as torch's own conversion does.
+inline void to_bfloat16(const float* in, int64_t n, at::BFloat16* out) {
+  int64_t i = 0;
+#ifdef __AVX512BF16__
+  for (; i + 16 <= n; i += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(in + i)));
+#endif
+  for (; i < n; ++i) out[i] = at::BFloat16(in[i]);
+}
+
+// Many rows: tiles of weight rows dequantized into a cache-sized buffer in x's dtype, each multiplied by torch's own
+// GEMM (single-threaded inside this parallel loop), so prefill runs at the dense kernel's speed without a dense copy
+// of the matrix. bfloat16 activations multiply bfloat16 tiles: the CPUs where bfloat16 is the default type
+// (AVX512-BF16, AMX) run that GEMM at two to three times float32's rate.
+template <int Bits, typename T>
 void gemm_tiled(const at::Tensor& x, const uint8_t* q, const float* scale, const float* minimum, int64_t N,
                 at::Tensor& y) {
   const int64_t K = x.size(1), groups = K / kGroup, row_bytes = groups * group_bytes(Bits);
-  const int64_t tile = std::max<int64_t>(16, std::min<int64_t>(128, (int64_t{1} << 15) / K / 16 * 16));
+  const int64_t tile = std::max<int64_t>(16, std::min<int64_t>(128, (int64_t{1} << 17) / sizeof(T) / K / 16 * 16));
   const int64_t tiles = (N + tile - 1) / tile;
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     // the caller's inference mode is thread-local: without it here, mm_out into y (an inference tensor) is refused
     c10::InferenceMode inference;
     at::Tensor buffer = at::empty({tile, K}, x.options());
-    float* w = buffer.data_ptr<float>();
+    T* w = buffer.data_ptr<T>();
+    std::vector<float> row(std::is_same_v<T, float> ? 0 : K);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n0 = t * tile, rows = std::min(tile, N - n0);
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t n = n0 + r;
-        dequantize_row<Bits>(q + n * row_bytes, scale + n * groups, minimum ? minimum + n * groups : nullptr, K,
-                             w + r * K);
+        const float* sn = scale + n * groups;
+        const float* mn = minimum ? minimum + n * groups : nullptr;
+        if constexpr (std::is_same_v<T, float>) {
+          dequantize_row<Bits>(q + n * row_bytes, sn, mn, K, w + r * K);
+        } else {
+          dequantize_row<Bits>(q + n * row_bytes, sn, mn, K, row.data());
+          to_bfloat16(row.data(), K, w + r * K);
+        }
       }
       at::Tensor out = y.narrow(1, n0, rows);
       at::mm_out(out, x, buffer.narrow(0, 0, rows).t());
@@ -225,7 +339,9 @@ void gemm_tiled(const at::Tensor& x, const uint8_t* q, const float* scale, const
 at::Tensor group_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
                         const c10::optional<at::Tensor>& minimum, int64_t bits) {
   TORCH_CHECK(bits == 4 || bits == 8, "group_linear: bits must be 4 or 8");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "group_linear: x must be float32 [M, K]");
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || bf16),
+              "group_linear: x must be float32 or bfloat16 [M, K]");
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.dim() == 2, "group_linear: scale must be float32 [N, K/32]");
   const int64_t M = x.size(0), K = x.size(1), N = scale.size(0);
   TORCH_CHECK(K % kGroup == 0 && scale.size(1) == K / kGroup, "group_linear: K must be whole groups of 32");
@@ -243,23 +359,59 @@ at::Tensor group_linear(const at::Tensor& x, const at::Tensor& q, const at::Tens
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0) return y;
   const auto* qp = static_cast<const uint8_t*>(qc.data_ptr());
-  const float* xp = xc.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
   if (M > kFusedRows) {
-    if (bits == 4) gemm_tiled<4>(xc, qp, sc.data_ptr<float>(), mn, N, y);
-    else gemm_tiled<8>(xc, qp, sc.data_ptr<float>(), mn, N, y);
+#ifdef __AVX512BF16__
+    // float32 rows too are multiplied in bfloat16 where the CPU does that natively (prompts: twice the speed); the
+    // few-row path, which every decode step takes, keeps float32 activations
+    if (!bf16) {
+      at::Tensor yb = at::empty({M, N}, x.options().dtype(at::kBFloat16));
+      const at::Tensor xb = xc.to(at::kBFloat16);
+      if (bits == 4) gemm_tiled<4, at::BFloat16>(xb, qp, sc.data_ptr<float>(), mn, N, yb);
+      else gemm_tiled<8, at::BFloat16>(xb, qp, sc.data_ptr<float>(), mn, N, yb);
+      y.copy_(yb);
+      return y;
+    }
+#endif
+    if (bf16) {
+      if (bits == 4) gemm_tiled<4, at::BFloat16>(xc, qp, sc.data_ptr<float>(), mn, N, y);
+      else gemm_tiled<8, at::BFloat16>(xc, qp, sc.data_ptr<float>(), mn, N, y);
+    } else {
+      if (bits == 4) gemm_tiled<4, float>(xc, qp, sc.data_ptr<float>(), mn, N, y);
+      else gemm_tiled<8, float>(xc, qp, sc.data_ptr<float>(), mn, N, y);
+    }
     return y;
   }
-  const QuantizedRows rows = quantize_rows(xp, M, K);
-  if (bits == 4) gemm<4>(rows, M, qp, sc.data_ptr<float>(), mn, N, K, yp);
-  else gemm<8>(rows, M, qp, sc.data_ptr<float>(), mn, N, K, yp);
+  // few rows: widened to float (exact from bfloat16), quantized per group, summed in float32
+  const at::Tensor x32 = bf16 ? xc.to(at::kFloat) : xc;
+  const QuantizedRows rows = quantize_rows(x32.data_ptr<float>(), M, K);
+  const float* sp = sc.data_ptr<float>();
+  if (bf16) {
+    if (bits == 4) gemm<4>(rows, M, qp, sp, mn, N, K, y.data_ptr<at::BFloat16>());
+    else gemm<8>(rows, M, qp, sp, mn, N, K, y.data_ptr<at::BFloat16>());
+  } else {
+    if (bits == 4) gemm<4>(rows, M, qp, sp, mn, N, K, y.data_ptr<float>());
+    else gemm<8>(rows, M, qp, sp, mn, N, K, y.data_ptr<float>());
+  }
   return y;
+}
+
+int64_t fused_rows() { return kFusedRows; }
+
+bool bfloat16_prompts() {
+#ifdef __AVX512BF16__
+  return true;
+#else
+  return false;
+#endif
 }
 
 }  // namespace
 
 TORCH_LIBRARY(llmserve_kernels, m) {
   m.def("group_linear(Tensor x, Tensor q, Tensor scale, Tensor? minimum, int bits) -> Tensor");
+  // the most rows the int16 path takes (its rounding differs from the tiled path's): for tests and benchmarks
+  m.def("fused_rows() -> int", &fused_rows);
+  m.def("bfloat16_prompts() -> bool", &bfloat16_prompts);  // whether float32 rows beyond those multiply in bfloat16
 }
 
 TORCH_LIBRARY_IMPL(llmserve_kernels, CPU, m) { m.impl("group_linear", &group_linear); }

@@ -2,8 +2,10 @@
 and kept in the cache directory; where it cannot be built (no compiler, no ninja, not x86 with AVX2) the layers use
 torch's int4/int8 kernels instead, and say so once in the log.
 
-`group_linear(x, q, scale, minimum, bits)`: x float32 [M, K] -> [M, N], W[n, k] = q * scale + minimum per group of
-32 input columns; an op of its own (`torch.ops.llmserve_kernels.group_linear`), so compiled graphs call it too."""
+`group_linear(x, q, scale, minimum, bits)`: x float32 or bfloat16 [M, K] -> [M, N] in x's dtype, with
+W[n, k] = q * scale + minimum per group of 32 input columns; an op of its own
+(`torch.ops.llmserve_kernels.group_linear`), so compiled graphs call it too. The build targets this CPU: AVX2,
+AVX512-VNNI (two groups per pass) and AVX512-BF16 (prompt GEMMs in bfloat16) where /proc/cpuinfo lists them."""
 
 import functools
 import hashlib
@@ -42,7 +44,16 @@ def _build_flags() -> list[str]:
     have = cpu_flags()
     if {"avx2", "fma"} <= have:
         flags += ["-mavx2", "-mfma"]
+        if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= have:
+            flags += ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]
+            if "avx512_bf16" in have:
+                flags += ["-mavx512bf16"]
     return flags
+
+
+def instruction_set() -> str:
+    flags = _build_flags()
+    return "AVX512-VNNI" if "-mavx512vnni" in flags else "AVX2" if "-mavx2" in flags else "portable C++"
 
 
 DEFAULT_ROOT = Path.home() / ".cache" / "llmserve"
@@ -63,8 +74,7 @@ def load(cache_dir: str = "") -> bool:
         if _loaded is None:
             _loaded, why = _load(cache_dir)
             if _loaded:
-                log.info("quantized linears: our grouped float32 kernel (%s)",
-                         "AVX2" if "-mavx2" in _build_flags() else "portable C++")  # fmt: skip
+                log.info("quantized linears: our grouped kernel, float32 sums (%s)", instruction_set())
             else:
                 log.warning("quantized linears: torch's int4/int8 kernels (bfloat16 scales): %s", why)
         return _loaded
@@ -111,6 +121,16 @@ def group_linear(
     x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None, bits: int
 ) -> torch.Tensor:
     return torch.ops.llmserve_kernels.group_linear(x, q, scale, minimum, bits)
+
+
+def fused_rows() -> int:
+    """The most rows of x that take the int16 path (more take dequantized tiles through torch's GEMM)."""
+    return int(torch.ops.llmserve_kernels.fused_rows())
+
+
+def bfloat16_prompts() -> bool:
+    """Whether more than fused_rows() float32 rows multiply in bfloat16 (a CPU with AVX512-BF16)."""
+    return bool(torch.ops.llmserve_kernels.bfloat16_prompts())
 
 
 def pack_nibbles(q: torch.Tensor) -> torch.Tensor:

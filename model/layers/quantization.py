@@ -79,9 +79,10 @@ class GroupLinear(WeightOnlyLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        y = group_kernels.group_linear(
-            x.reshape(-1, self.in_features).float(), self.weight, self.scale, self.minimum, self.bits
-        )
+        rows = x.reshape(-1, self.in_features)
+        if rows.dtype not in (torch.float32, torch.bfloat16):
+            rows = rows.float()
+        y = group_kernels.group_linear(rows, self.weight, self.scale, self.minimum, self.bits)
         y = y.to(x.dtype).reshape(*shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 

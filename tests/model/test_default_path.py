@@ -98,14 +98,11 @@ def test_default_engine_agrees_with_the_float32_reference(
     assert "Paris" in default_tokenizer.decode(out)
 
 
-def test_dtype_auto_follows_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    import model.engine.model_runner as runner
-
-    monkeypatch.setattr(runner, "cpu_has_bfloat16", lambda: True)
-    assert resolve_dtype("auto", torch.device("cpu")) == torch.bfloat16
-    monkeypatch.setattr(runner, "cpu_has_bfloat16", lambda: False)
+def test_dtype_auto_is_float32_on_cpu() -> None:
+    # bfloat16 activations cost the default model 9 of 20 greedy continuations against the float32 reference
+    # (bench/quantization_quality.py); float32 keeps them, and our kernel takes bfloat16 GEMMs for prompts itself
     assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
-    assert resolve_dtype("float32", torch.device("cpu")) == torch.float32
+    assert resolve_dtype("bfloat16", torch.device("cpu")) == torch.bfloat16
 
 
 def test_the_gguf_tokenizer_is_cached_once_built(default_model_path: Path, tmp_path: Path) -> None:

@@ -24,12 +24,23 @@ def grouped(bits: int, n: int, k: int, with_minimum: bool, seed: int) -> GroupQu
 
 
 def error_bound(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """Up to 12 rows, activations are rounded to int16 steps of their group's largest magnitude / 32767: each by at
-    most half a step, times the weights it multiplies; plus float32's rounding of the sums."""
+    """Up to fused_rows() rows, activations are rounded to int16 steps of their group's largest magnitude / 32767:
+    each by at most half a step, times the weights it multiplies; plus float32's rounding of the sums. bfloat16
+    rows: the output's own rounding (half an ulp, 2^-9 relative) and, on the tiled path, each weight's; float32 rows
+    on the tiled path of a CPU with AVX512-BF16 round x as well."""
     rows, w = x.shape[0], weight.double().abs()
     step = x.double().abs().view(rows, -1, 32).amax(-1) / 32767  # [rows, groups]
-    rounding = (step / 2) @ w.view(w.shape[0], -1, 32).sum(-1).T if rows <= 12 else 0
-    return rounding + 1e-6 * (x.double().abs() @ w.T)
+    fused = rows <= group_kernels.fused_rows()
+    rounding = (step / 2) @ w.view(w.shape[0], -1, 32).sum(-1).T if fused else 0
+    magnitude = x.double().abs() @ w.T
+    bound = rounding + 1e-6 * magnitude
+    if x.dtype == torch.bfloat16:
+        exact = x.double() @ weight.double().T
+        bound = bound + exact.abs() * 2**-8 + (0 if fused else magnitude * 2**-8)
+    elif not fused and group_kernels.bfloat16_prompts():  # x, the weights and the output each rounded to bfloat16
+        exact = x.double() @ weight.double().T
+        bound = bound + exact.abs() * 2**-8 + magnitude * 2**-7
+    return bound
 
 
 def run(weight: GroupQuantized, x: torch.Tensor) -> torch.Tensor:
@@ -38,7 +49,7 @@ def run(weight: GroupQuantized, x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("bits, with_minimum", [(4, True), (4, False), (8, False)])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 12, 13, 40, 70])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 12, 13, 16, 17, 40, 70])
 @pytest.mark.parametrize("k", [96, 576])  # 3 groups (no full 8-wide pass over the minimums), 18 groups
 def test_matches_float64_reference(bits: int, with_minimum: bool, rows: int, k: int) -> None:
     weight = grouped(bits, 50, k, with_minimum, seed=rows + k)
@@ -47,6 +58,17 @@ def test_matches_float64_reference(bits: int, with_minimum: bool, rows: int, k: 
     reference = x.double() @ weight.dequantize().double().T
     out = run(weight, x)
     assert out.dtype == torch.float32 and out.shape == (rows, 50)
+    assert bool(((out.double() - reference).abs() <= error_bound(x, weight.dequantize())).all())
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("rows", [1, 7, 16, 17, 40])
+def test_bfloat16_rows_come_back_in_bfloat16(bits: int, rows: int) -> None:
+    weight = grouped(bits, 70, 96, bits == 4, seed=rows)
+    x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows)).bfloat16()
+    reference = x.double() @ weight.dequantize().double().T
+    out = run(weight, x)
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, 70)
     assert bool(((out.double() - reference).abs() <= error_bound(x, weight.dequantize())).all())
 
 
