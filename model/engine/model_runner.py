@@ -12,6 +12,7 @@ import os
 import shutil
 import threading
 import time
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -153,6 +154,16 @@ def tensor_parallel_settings(settings: Settings, tp: TensorParallel) -> Settings
     log.info("tensor-parallel rank %d of %d: dense linears, --dtype %s, eager steps", tp.rank, tp.world_size,
              settings.dtype)  # fmt: skip
     return settings
+
+
+def own_code(method: Callable[[Batch], torch.Tensor]) -> Callable[[Batch], torch.Tensor]:
+    """The bound method with a code object of its own. Dynamo keeps compiled graphs per code object, and with the
+    module guards skipped (below) a graph compiled by another runner in this process (another model, another KV
+    pool) would match this runner's calls, and be invalidated when that runner is freed."""
+    fn = method.__func__  # type: ignore[attr-defined]
+    code = fn.__code__.replace()
+    copy = types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    return types.MethodType(copy, method.__self__)  # type: ignore[attr-defined]
 
 
 def release_free_memory() -> None:
@@ -307,8 +318,8 @@ class ModelRunner:
         options: dict[str, str | int | bool | Callable[..., object]] = {
             "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe
         }
-        compiled_one_row = torch.compile(self._one_row_logits, dynamic=False, options=options)
-        compiled_forward = torch.compile(self.decoder, dynamic=True, options=options)
+        compiled_one_row = torch.compile(own_code(self._one_row_logits), dynamic=False, options=options)
+        compiled_forward = torch.compile(own_code(self._forward), dynamic=True, options=options)
         with torch.inference_mode():
             batch = self.prepare(decode_rows(1, blocks=2))
             # the number of blocks as an unbacked size: a backed one would be specialized at 1, and guarded to a
@@ -334,6 +345,9 @@ class ModelRunner:
 
     def _one_row_logits(self, batch: Batch) -> torch.Tensor:
         return self.decoder.compute_logits(self.decoder(batch))
+
+    def _forward(self, batch: Batch) -> torch.Tensor:
+        return self.decoder(batch)
 
     def _allocate_kv_cache(self, settings: Settings) -> int:
         c = self.config
