@@ -65,6 +65,11 @@ constexpr int64_t kFusedRows = 12;
 constexpr int64_t kRowsPerPass = 4;
 #endif
 constexpr int64_t kBlock = 16;  // weight rows per block
+#ifdef __AVX512BF16__
+constexpr bool kBfloat16Prompts = true;  // more than kFusedRows float32 rows multiply in bfloat16
+#else
+constexpr bool kBfloat16Prompts = false;
+#endif
 
 QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K) {
   const int64_t groups = K / kGroup, pairs = (groups + 1) / 2;
@@ -360,21 +365,14 @@ at::Tensor group_linear(const at::Tensor& x, const at::Tensor& q, const at::Tens
   if (M == 0) return y;
   const auto* qp = static_cast<const uint8_t*>(qc.data_ptr());
   if (M > kFusedRows) {
-#ifdef __AVX512BF16__
     // float32 rows too are multiplied in bfloat16 where the CPU does that natively (prompts: twice the speed); the
     // few-row path, which every decode step takes, keeps float32 activations
-    if (!bf16) {
-      at::Tensor yb = at::empty({M, N}, x.options().dtype(at::kBFloat16));
-      const at::Tensor xb = xc.to(at::kBFloat16);
+    if (bf16 || kBfloat16Prompts) {
+      const at::Tensor xb = xc.to(at::kBFloat16);  // no copy when x is bfloat16 already
+      at::Tensor yb = bf16 ? y : at::empty({M, N}, x.options().dtype(at::kBFloat16));
       if (bits == 4) gemm_tiled<4, at::BFloat16>(xb, qp, sc.data_ptr<float>(), mn, N, yb);
       else gemm_tiled<8, at::BFloat16>(xb, qp, sc.data_ptr<float>(), mn, N, yb);
-      y.copy_(yb);
-      return y;
-    }
-#endif
-    if (bf16) {
-      if (bits == 4) gemm_tiled<4, at::BFloat16>(xc, qp, sc.data_ptr<float>(), mn, N, y);
-      else gemm_tiled<8, at::BFloat16>(xc, qp, sc.data_ptr<float>(), mn, N, y);
+      if (!bf16) y.copy_(yb);
     } else {
       if (bits == 4) gemm_tiled<4, float>(xc, qp, sc.data_ptr<float>(), mn, N, y);
       else gemm_tiled<8, float>(xc, qp, sc.data_ptr<float>(), mn, N, y);
@@ -397,13 +395,7 @@ at::Tensor group_linear(const at::Tensor& x, const at::Tensor& q, const at::Tens
 
 int64_t fused_rows() { return kFusedRows; }
 
-bool bfloat16_prompts() {
-#ifdef __AVX512BF16__
-  return true;
-#else
-  return false;
-#endif
-}
+bool bfloat16_prompts() { return kBfloat16Prompts; }
 
 }  // namespace
 
