@@ -113,68 +113,89 @@ inline float hsum(__m256 v) {
 
 constexpr int64_t group_bytes(int bits) { return bits == 4 ? kGroup / 2 : kGroup; }
 
+#ifdef GROUP_GEMM_AVX512
+// One pair of groups (g, g + 1) of a weight row as int16, in the paired order of the activations (see QuantizedRows),
+// and its scales, each repeated over the 8 int32 lanes its sums land in. Without Both, g is the last (odd) group and
+// g + 1 reads as zeros.
+template <int Bits, bool Both>
+inline void load_pair(const uint8_t* q, const float* scale, int64_t g, __m512i& wa, __m512i& wb, __m512& d) {
+  if constexpr (Bits == 4) {
+    const uint8_t* qg = q + g * 16;
+    const __m256i packed = Both ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qg))
+                                : _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qg)));
+    const __m512i bytes = _mm512_cvtepu8_epi16(packed);  // a byte per int16: low nibble values 0..15, high 16..31
+    wa = _mm512_and_si512(bytes, _mm512_set1_epi16(0x0F));
+    wb = _mm512_srli_epi16(bytes, 4);
+  } else {
+    const uint8_t* qg = q + g * 32;
+    auto halves_of = [&](int64_t offset) {
+      const __m128i first = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qg + offset));
+      return Both ? _mm256_inserti128_si256(_mm256_castsi128_si256(first),
+                                            _mm_loadu_si128(reinterpret_cast<const __m128i*>(qg + 32 + offset)), 1)
+                  : _mm256_zextsi128_si256(first);
+    };
+    wa = _mm512_cvtepi8_epi16(halves_of(0));
+    wb = _mm512_cvtepi8_epi16(halves_of(16));
+  }
+  const __m128 two = Both ? _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(scale + g)))
+                          : _mm_load_ss(scale + g);
+  const __m512i halves = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  d = _mm512_permutexvar_ps(halves, _mm512_castps128_ps512(two));
+}
+
+// R rows of x (quantized) against W consecutive weight rows: y[r * ldy + w]. The R x W sums are independent FMA
+// chains held in registers (few rows take several weight rows, so that one row still has chains enough to cover
+// the FMA's latency and reads its activations once for all of them).
+template <int Bits, int R, int W, typename T>
+void dot_tile(const int16_t* xq, int64_t ldq, const float* xs, const float* xd, int64_t ldd, int64_t K,
+              const uint8_t* q, int64_t ldw, const float* scale, const float* minimum, T* y, int64_t ldy) {
+  const int64_t groups = K / kGroup;
+  __m512 acc[R][W];
+  for (int r = 0; r < R; ++r)
+    for (int w = 0; w < W; ++w) acc[r][w] = _mm512_setzero_ps();
+  auto pass = [&](int64_t p, auto both) {
+    __m512i wa[W], wb[W];
+    __m512 d[W];
+    for (int w = 0; w < W; ++w) load_pair<Bits, decltype(both)::value>(q + w * ldw, scale + w * groups, 2 * p, wa[w], wb[w], d[w]);
+    for (int r = 0; r < R; ++r) {
+      const int16_t* xr = xq + r * ldq + p * 64;
+      const __m512i xa = _mm512_loadu_si512(xr), xb = _mm512_loadu_si512(xr + 32);
+      const __m512 xdr = _mm512_loadu_ps(xd + r * ldd + p * 16);
+      for (int w = 0; w < W; ++w) {
+        const __m512i sum = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(_mm512_setzero_si512(), wa[w], xa), wb[w], xb);
+        acc[r][w] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(d[w], xdr), acc[r][w]);
+      }
+    }
+  };
+  int64_t p = 0;
+  for (; p < groups / 2; ++p) pass(p, std::true_type{});
+  if (groups % 2) pass(p, std::false_type{});
+  for (int r = 0; r < R; ++r) {
+    for (int w = 0; w < W; ++w) {
+      __m512 total = acc[r][w];
+      float tail = 0.0f;
+      if (minimum) {  // sum over groups of minimum * (the group's sum of x)
+        const float* mw = minimum + w * groups;
+        const float* xsr = xs + r * groups;
+        int64_t g = 0;
+        for (; g + 16 <= groups; g += 16)
+          total = _mm512_fmadd_ps(_mm512_loadu_ps(mw + g), _mm512_loadu_ps(xsr + g), total);
+        for (; g < groups; ++g) tail += mw[g] * xsr[g];
+      }
+      y[r * ldy + w] = static_cast<T>(_mm512_reduce_add_ps(total) + tail);
+    }
+  }
+}
+#else
 // R rows of x (quantized) against weight row n: y[r * ldy] for r < R.
 template <int Bits, int R, typename T>
 void dot_rows(const int16_t* xq, int64_t ldq, const float* xs, const float* xd, int64_t ldd, int64_t K,
               const uint8_t* q, const float* scale, const float* minimum, T* y, int64_t ldy) {
   const int64_t groups = K / kGroup;
-#if defined(GROUP_GEMM_AVX512)
-  constexpr int C = R == 1 ? 4 : R == 2 ? 2 : 1;  // independent FMA chains per row, enough to cover its latency
-  __m512 acc[R][C];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
-  // lanes 0..7 of a pair's int32 sums are group g's, 8..15 group g + 1's
-  const __m512i halves = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-  for (int64_t p = 0; p < (groups + 1) / 2; ++p) {
-    const int64_t g = 2 * p;
-    const bool both = g + 1 < groups;
-    __m512i wa, wb;  // int16 in the paired order of the activations (see QuantizedRows)
-    if constexpr (Bits == 4) {
-      const uint8_t* qg = q + g * 16;
-      const __m256i packed = both ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qg))
-                                  : _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qg)));
-      const __m512i bytes = _mm512_cvtepu8_epi16(packed);  // a byte per int16: low nibble values 0..15, high 16..31
-      wa = _mm512_and_si512(bytes, _mm512_set1_epi16(0x0F));
-      wb = _mm512_srli_epi16(bytes, 4);
-    } else {
-      const uint8_t* qg = q + g * 32;
-      auto halves_of = [&](int64_t offset) {
-        const __m128i first = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qg + offset));
-        return both ? _mm256_inserti128_si256(_mm256_castsi128_si256(first),
-                                              _mm_loadu_si128(reinterpret_cast<const __m128i*>(qg + 32 + offset)), 1)
-                    : _mm256_zextsi128_si256(first);
-      };
-      wa = _mm512_cvtepi8_epi16(halves_of(0));
-      wb = _mm512_cvtepi8_epi16(halves_of(16));
-    }
-    const __m128 two = both ? _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(scale + g)))
-                            : _mm_load_ss(scale + g);
-    const __m512 d = _mm512_permutexvar_ps(halves, _mm512_castps128_ps512(two));
-    for (int r = 0; r < R; ++r) {
-      const int16_t* xr = xq + r * ldq + p * 64;
-      __m512i sum = _mm512_dpwssd_epi32(_mm512_setzero_si512(), wa, _mm512_loadu_si512(xr));
-      sum = _mm512_dpwssd_epi32(sum, wb, _mm512_loadu_si512(xr + 32));
-      const __m512 scaled = _mm512_mul_ps(d, _mm512_loadu_ps(xd + r * ldd + p * 16));
-      acc[r][p % C] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scaled, acc[r][p % C]);
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    __m512 total = acc[r][0];
-    for (int c = 1; c < C; ++c) total = _mm512_add_ps(total, acc[r][c]);
-    float tail = 0.0f;
-    if (minimum) {
-      const float* xsr = xs + r * groups;
-      int64_t g = 0;
-      for (; g + 16 <= groups; g += 16)
-        total = _mm512_fmadd_ps(_mm512_loadu_ps(minimum + g), _mm512_loadu_ps(xsr + g), total);
-      for (; g < groups; ++g) tail += minimum[g] * xsr[g];
-    }
-    y[r * ldy] = static_cast<T>(_mm512_reduce_add_ps(total) + tail);
-  }
-#elif defined(GROUP_GEMM_AVX2)
+#if defined(GROUP_GEMM_AVX2)
   __m256 acc[R][2];  // two chains per row, alternating groups: one would wait on the FMA's latency
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < groups; ++g) {
+  auto group = [&](int64_t g, auto chain) {  // the chain a compile-time index, so the sums stay in registers
     __m256i w0, w1;  // the group's values 0..15 and 16..31 as int16
     if constexpr (Bits == 4) {
       const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + g * 16));
@@ -192,18 +213,24 @@ void dot_rows(const int16_t* xq, int64_t ldq, const float* xs, const float* xd, 
       const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + 16));
       const __m256i sum = _mm256_add_epi32(_mm256_madd_epi16(w0, x0), _mm256_madd_epi16(w1, x1));
       const __m256 scaled = _mm256_mul_ps(d, _mm256_broadcast_ss(xd + r * ldd + g));
-      acc[r][g & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), scaled, acc[r][g & 1]);
+      acc[r][chain] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), scaled, acc[r][chain]);
     }
+  };
+  int64_t g = 0;
+  for (; g + 2 <= groups; g += 2) {
+    group(g, std::integral_constant<int, 0>{});
+    group(g + 1, std::integral_constant<int, 1>{});
   }
+  if (g < groups) group(g, std::integral_constant<int, 0>{});
   for (int r = 0; r < R; ++r) {
     __m256 total = _mm256_add_ps(acc[r][0], acc[r][1]);
     float tail = 0.0f;
     if (minimum) {  // sum over groups of minimum * (the group's sum of x)
       const float* xsr = xs + r * groups;
-      int64_t g = 0;
-      for (; g + 8 <= groups; g += 8)
-        total = _mm256_fmadd_ps(_mm256_loadu_ps(minimum + g), _mm256_loadu_ps(xsr + g), total);
-      for (; g < groups; ++g) tail += minimum[g] * xsr[g];
+      int64_t j = 0;
+      for (; j + 8 <= groups; j += 8)
+        total = _mm256_fmadd_ps(_mm256_loadu_ps(minimum + j), _mm256_loadu_ps(xsr + j), total);
+      for (; j < groups; ++j) tail += minimum[j] * xsr[j];
     }
     y[r * ldy] = static_cast<T>(hsum(total) + tail);
   }
@@ -228,37 +255,66 @@ void dot_rows(const int16_t* xq, int64_t ldq, const float* xs, const float* xd, 
   }
 #endif
 }
+#endif  // GROUP_GEMM_AVX512
+
+#ifdef GROUP_GEMM_AVX512
+// Weight rows per dot_tile: 4-8 chains, in 32 registers. One weight row at a time for 8 bits: two or four rows of
+// the LM head (28 MB, read from memory each step) ran 2-3x slower than one here (Zen 4), where four 4-bit rows run
+// one row of x 20-40 % faster.
+template <int Bits, int R>
+constexpr int kTileWidth = Bits == 8 ? 1 : R <= 2 ? 4 : R <= 4 ? 2 : 1;
+#else
+template <int Bits, int R>
+constexpr int kTileWidth = 1;
+
+template <int Bits, int R, int W, typename T>
+void dot_tile(const int16_t* xq, int64_t ldq, const float* xs, const float* xd, int64_t ldd, int64_t K,
+              const uint8_t* q, int64_t, const float* scale, const float* minimum, T* y, int64_t ldy) {
+  static_assert(W == 1);
+  dot_rows<Bits, R, T>(xq, ldq, xs, xd, ldd, K, q, scale, minimum, y, ldy);
+}
+#endif
+
+// R rows of x against weight rows [begin, end).
+template <int Bits, int R, typename T>
+void rows_pass(const QuantizedRows& x, int64_t m, const uint8_t* q, const float* scale, const float* minimum,
+               int64_t begin, int64_t end, int64_t N, int64_t K, T* y) {
+  const int64_t groups = K / kGroup, row_bytes = groups * group_bytes(Bits);
+  const int16_t* xq = x.q.data() + m * x.ldq;
+  const float* xs = x.sum.data() + m * groups;
+  const float* xd = x.scale.data() + m * x.ldd;
+  auto tile = [&](int64_t n, auto width) {
+    dot_tile<Bits, R, decltype(width)::value, T>(xq, x.ldq, xs, xd, x.ldd, K, q + n * row_bytes, row_bytes,
+                                                 scale + n * groups, minimum ? minimum + n * groups : nullptr,
+                                                 y + m * N + n, N);
+  };
+  constexpr int W = kTileWidth<Bits, R>;
+  int64_t n = begin;
+  for (; n + W <= end; n += W) tile(n, std::integral_constant<int, W>{});
+  for (; n < end; ++n) tile(n, std::integral_constant<int, 1>{});
+}
 
 template <int Bits, typename T>
 void gemm(const QuantizedRows& x, int64_t M, const uint8_t* q, const float* scale, const float* minimum, int64_t N,
           int64_t K, T* y) {
-  const int64_t groups = K / kGroup, row_bytes = groups * group_bytes(Bits);
   at::parallel_for(0, N, kBlock, [&](int64_t begin, int64_t end) {
     // a block of weight rows for each pass of rows of x: the pass's activations stay in L1 across the block
     for (int64_t block = begin; block < end; block += kBlock) {
+      const int64_t last = std::min(block + kBlock, end);
       for (int64_t m = 0; m < M; m += kRowsPerPass) {
-        const int16_t* xq = x.q.data() + m * x.ldq;
-        const float* xs = x.sum.data() + m * groups;
-        const float* xd = x.scale.data() + m * x.ldd;
-        for (int64_t n = block; n < std::min(block + kBlock, end); ++n) {
-          const uint8_t* qn = q + n * row_bytes;
-          const float* sn = scale + n * groups;
-          const float* mn = minimum ? minimum + n * groups : nullptr;
-          T* out = y + m * N + n;
-          switch (std::min<int64_t>(kRowsPerPass, M - m)) {
-            case 1: dot_rows<Bits, 1, T>(xq, x.ldq, xs, xd, x.ldd, K, qn, sn, mn, out, N); break;
-            case 2: dot_rows<Bits, 2, T>(xq, x.ldq, xs, xd, x.ldd, K, qn, sn, mn, out, N); break;
-            case 3: dot_rows<Bits, 3, T>(xq, x.ldq, xs, xd, x.ldd, K, qn, sn, mn, out, N); break;
+        switch (std::min<int64_t>(kRowsPerPass, M - m)) {
+          case 1: rows_pass<Bits, 1, T>(x, m, q, scale, minimum, block, last, N, K, y); break;
+          case 2: rows_pass<Bits, 2, T>(x, m, q, scale, minimum, block, last, N, K, y); break;
+          case 3: rows_pass<Bits, 3, T>(x, m, q, scale, minimum, block, last, N, K, y); break;
 #ifdef GROUP_GEMM_AVX512
-            case 4: dot_rows<Bits, 4, T>(xq, x.ldq, xs, xd, x.ldd, K, qn, sn, mn, out, N); break;
-            case 5: dot_rows<Bits, 5, T>(xq, x.ldq, xs, xd, x.ldd, K, qn, sn, mn, out, N); break;
-            case 6: dot_rows<Bits, 6, T>(xq, x.ldq, xs, xd, x.ldd, K, qn, sn, mn, out, N); break;
-            case 7: dot_rows<Bits, 7, T>(xq, x.ldq, xs, xd, x.ldd, K, qn, sn, mn, out, N); break;
-            default: dot_rows<Bits, 8, T>(xq, x.ldq, xs, xd, x.ldd, K, qn, sn, mn, out, N); break;
+          case 4: rows_pass<Bits, 4, T>(x, m, q, scale, minimum, block, last, N, K, y); break;
+          case 5: rows_pass<Bits, 5, T>(x, m, q, scale, minimum, block, last, N, K, y); break;
+          case 6: rows_pass<Bits, 6, T>(x, m, q, scale, minimum, block, last, N, K, y); break;
+          case 7: rows_pass<Bits, 7, T>(x, m, q, scale, minimum, block, last, N, K, y); break;
+          default: rows_pass<Bits, 8, T>(x, m, q, scale, minimum, block, last, N, K, y); break;
 #else
-            default: dot_rows<Bits, 4, T>(xq, x.ldq, xs, xd, x.ldd, K, qn, sn, mn, out, N); break;
+          default: rows_pass<Bits, 4, T>(x, m, q, scale, minimum, block, last, N, K, y); break;
 #endif
-          }
         }
       }
     }
