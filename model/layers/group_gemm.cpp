@@ -156,7 +156,8 @@ void dot_tile(const int16_t* xq, int64_t ldq, const float* xs, const float* xd, 
   auto pass = [&](int64_t p, auto both) {
     __m512i wa[W], wb[W];
     __m512 d[W];
-    for (int w = 0; w < W; ++w) load_pair<Bits, decltype(both)::value>(q + w * ldw, scale + w * groups, 2 * p, wa[w], wb[w], d[w]);
+    for (int w = 0; w < W; ++w)
+      load_pair<Bits, decltype(both)::value>(q + w * ldw, scale + w * groups, 2 * p, wa[w], wb[w], d[w]);
     for (int r = 0; r < R; ++r) {
       const int16_t* xr = xq + r * ldq + p * 64;
       const __m512i xa = _mm512_loadu_si512(xr), xb = _mm512_loadu_si512(xr + 32);
