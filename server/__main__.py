@@ -5,7 +5,7 @@ import logging
 import os
 import sys
 
-from config.settings import load_settings
+from config.settings import Settings, load_settings
 
 
 def _configure_logging(level: str) -> None:
@@ -19,9 +19,23 @@ def _configure_logging(level: str) -> None:
     access.propagate = False
 
 
+def _leave_triton_unloaded_on_cpu(settings: Settings) -> None:
+    """torch._dynamo imports Triton wherever it is installed (our tests install it for its CPU interpreter), and
+    Triton has no CPU kernels to give a CPU server: its library alone kept 70 MiB resident here. Marked missing, it
+    is what torch's CPU wheel sees: inductor compiles C++ and the attention takes torch's path."""
+    if "triton" in sys.modules or os.environ.get("TRITON_INTERPRET") == "1":
+        return
+    import torch
+
+    if settings.device == "cpu" or (settings.device == "auto" and not torch.cuda.is_available()):
+        sys.modules["triton"] = None  # type: ignore[assignment]  # `import triton` raises ImportError
+
+
 def main(argv: list[str] | None = None) -> int:
     command, settings = load_settings(argv)
     _configure_logging(settings.log_level)
+    if command == "serve":
+        _leave_triton_unloaded_on_cpu(settings)
     if command == "serve" and settings.tensor_parallel_size > 1 and int(os.environ.get("RANK", "0")) > 0:
         # torchrun started every rank with the same command: the ranks other than 0 follow rank 0's steps
         from model.engine.workers import run_worker

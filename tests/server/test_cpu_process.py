@@ -1,0 +1,70 @@
+"""A real `llmserve serve` process on CPU leaves Triton unloaded (it has no CPU kernels; its library alone kept
+70 MiB resident) and still compiles its decode step: inductor's C++ path needs no Triton."""
+
+import importlib.util
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.server.harness import MODEL
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _mapped_libraries(pid: int) -> str:
+    return Path(f"/proc/{pid}/maps").read_text()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed: nothing to leave out")
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads the process's mappings from /proc")
+def test_cpu_server_compiles_its_decode_step_without_loading_triton() -> None:
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    # the server's own defaults (the test session's LLMSERVE_* turn compiling and quantization off)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LLMSERVE_") and k != "TRITON_INTERPRET"}
+    env["LLMSERVE_KV_CACHE_MEMORY"] = str(64 * 1024 * 1024)
+    command = [sys.executable, "-m", "server", "serve", "--port", str(port), "--device", "cpu"]
+    command += ["--max-model-len", "1024", "--log-level", "warning"]
+    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            assert proc.poll() is None, proc.stdout.read().decode() if proc.stdout else ""
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "server never became healthy"
+            time.sleep(0.2)
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4}
+        answer = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+        assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] >= 1
+
+        deadline = time.monotonic() + 420  # a cold inductor cache compiles for ~45 s on 2 cores
+        state = ""
+        while state != "compiled":
+            state = httpx.get(url + "/health", timeout=5).json()["decode_step"]
+            assert state == "compiling" or state == "compiled", f"decode step {state}: the compile failed or is off"
+            assert time.monotonic() < deadline, f"decode step still {state}"
+            time.sleep(1)
+        answer = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+        assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] >= 1
+        maps = _mapped_libraries(proc.pid)
+        assert "libtorch_cpu" in maps, "the mappings are the server's"
+        assert "libtriton" not in maps
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
