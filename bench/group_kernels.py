@@ -5,10 +5,18 @@ largest error against a float64 product, relative to the largest output.
 
     .venv/bin/python bench/group_kernels.py
     .venv/bin/python bench/group_kernels.py --rows 1 16 --repeats 50
+    .venv/bin/python bench/group_kernels.py --against HEAD~1 --rows 1 2 8 16   # this kernel against a revision's
+
+--against REV builds group_gemm.cpp as it was at git revision REV (under another op namespace, into a temp folder)
+and times the two in turn, best of several rounds each, in one process: on a shared machine a change of 10-20 %
+is lost in the noise between runs, not within one.
 """
 
 import argparse
+import functools
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -46,13 +54,70 @@ def torch_kernel(weight: GroupQuantized) -> Callable[[torch.Tensor], torch.Tenso
     return lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x.bfloat16(), packed, 32, sz)
 
 
+def build_revision(revision: str) -> Callable[..., torch.Tensor]:
+    """group_gemm.cpp at `revision`, built as the op namespace llmserve_revision."""
+    from torch.utils import cpp_extension
+
+    root = Path(__file__).resolve().parent.parent
+    source = subprocess.run(
+        ["git", "show", f"{revision}:model/layers/group_gemm.cpp"], cwd=root, check=True, capture_output=True, text=True
+    ).stdout
+    folder = Path(tempfile.mkdtemp(prefix="group-gemm-"))
+    (folder / "revision.cpp").write_text(source.replace("llmserve_kernels", "llmserve_revision"))
+    cpp_extension.load(
+        name="llmserve_revision",
+        sources=[str(folder / "revision.cpp")],
+        extra_cflags=group_kernels._build_flags(),
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(folder),
+        is_python_module=False,
+    )
+    return torch.ops.llmserve_revision.group_linear
+
+
+def best_of(fn: Callable[[], torch.Tensor], repeats: int, rounds: int = 5) -> float:
+    return min(timed(fn, repeats) for _ in range(rounds))
+
+
+def against(revision: str, rows: list[int], repeats: int) -> None:
+    theirs = build_revision(revision)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {group_kernels.instruction_set()}\n")
+    print(f"| in x out | bits | rows | this tree ms | {revision} ms | ratio |")
+    print("|---|---:|---:|---:|---:|---:|")
+    g = torch.Generator().manual_seed(0)
+    for k, n, bits in SHAPES:
+        dense = torch.randn(n, k, generator=g) * 0.05
+        weight = GroupQuantized.int4_from_float(dense) if bits == 4 else GroupQuantized.int8_from_float(dense)
+        q = group_kernels.pack_nibbles(weight.q) if bits == 4 else weight.q
+        for m in rows:
+            x = torch.randn(m, k, generator=g)
+            ours = group_kernels.group_linear(x, q, weight.scale, weight.minimum, bits)
+            torch.testing.assert_close(ours, theirs(x, q, weight.scale, weight.minimum, bits), rtol=1e-4, atol=1e-3)
+            args = (x, q, weight.scale, weight.minimum, bits)
+            calls = {
+                "ours": functools.partial(group_kernels.group_linear, *args),
+                "theirs": functools.partial(theirs, *args),
+            }
+            times: dict[str, list[float]] = {"ours": [], "theirs": []}
+            count = max(3, repeats // 8) if n > 10_000 else repeats
+            for _ in range(3):  # in turn, so a change in the machine's load hits both
+                for name, call in calls.items():
+                    times[name].append(best_of(call, count))
+            a, b = min(times["ours"]), min(times["theirs"])
+            print(f"| {k} x {n} | {bits} | {m} | {a:.4f} | {b:.4f} | {a / b:.2f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", type=int, nargs="*", default=[1, 4, 16, 128])
     parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--against", default="", help="a git revision whose kernel to time against this tree's")
     args = parser.parse_args()
     if not group_kernels.load():
         sys.exit("the grouped kernel could not be built here (see the log)")
+    if args.against:
+        against(args.against, args.rows, args.repeats)
+        return
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads\n")
     print("| in x out | bits | rows | ours ms | torch kernel ms | dense float32 ms | ours error | torch error |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
