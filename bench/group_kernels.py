@@ -79,6 +79,13 @@ def best_of(fn: Callable[[], torch.Tensor], repeats: int, rounds: int = 5) -> fl
     return min(timed(fn, repeats) for _ in range(rounds))
 
 
+def random_weight(k: int, n: int, bits: int, g: torch.Generator) -> tuple[GroupQuantized, torch.Tensor]:
+    """An [n, k] weight quantized to `bits`, and its q as the kernel takes it (4 bits: two per byte)."""
+    dense = torch.randn(n, k, generator=g) * 0.05
+    weight = GroupQuantized.int4_from_float(dense) if bits == 4 else GroupQuantized.int8_from_float(dense)
+    return weight, group_kernels.pack_nibbles(weight.q) if bits == 4 else weight.q
+
+
 def against(revision: str, rows: list[int], repeats: int) -> None:
     theirs = build_revision(revision)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {group_kernels.instruction_set()}\n")
@@ -86,9 +93,7 @@ def against(revision: str, rows: list[int], repeats: int) -> None:
     print("|---|---:|---:|---:|---:|---:|")
     g = torch.Generator().manual_seed(0)
     for k, n, bits in SHAPES:
-        dense = torch.randn(n, k, generator=g) * 0.05
-        weight = GroupQuantized.int4_from_float(dense) if bits == 4 else GroupQuantized.int8_from_float(dense)
-        q = group_kernels.pack_nibbles(weight.q) if bits == 4 else weight.q
+        weight, q = random_weight(k, n, bits, g)
         for m in rows:
             x = torch.randn(m, k, generator=g)
             ours = group_kernels.group_linear(x, q, weight.scale, weight.minimum, bits)
@@ -123,9 +128,7 @@ def main() -> None:
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     g = torch.Generator().manual_seed(0)
     for k, n, bits in SHAPES:
-        dense = torch.randn(n, k, generator=g) * 0.05
-        weight = GroupQuantized.int4_from_float(dense) if bits == 4 else GroupQuantized.int8_from_float(dense)
-        q = group_kernels.pack_nibbles(weight.q) if bits == 4 else weight.q
+        weight, q = random_weight(k, n, bits, g)
         theirs = torch_kernel(weight)
         for rows in args.rows:
             print(row(k, n, bits, torch.randn(rows, k, generator=g), q, weight, theirs, args.repeats))

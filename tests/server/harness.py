@@ -4,6 +4,7 @@ import asyncio
 import contextlib
 import re
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -98,6 +99,27 @@ def start_server(settings: Settings, **app_kwargs: Any) -> tuple[LiveServer, thr
 def stop_server(live: LiveServer, thread: threading.Thread) -> None:
     live.server.should_exit = True
     thread.join(timeout=60)
+
+
+def free_port() -> int:
+    """A loopback port free now, for a server process started next."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_healthy(proc: subprocess.Popen[bytes], url: str, timeout: float = 240) -> None:
+    """Poll a server process's /health until it answers 200; fail with its output if it exits first."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None, proc.stdout.read().decode() if proc.stdout else ""
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, "server never became healthy"
+        time.sleep(0.2)
 
 
 def run(coro: Any) -> Any:

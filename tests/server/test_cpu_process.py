@@ -3,7 +3,6 @@
 
 import importlib.util
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -12,15 +11,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.server.harness import MODEL
+from tests.server.harness import MODEL, free_port, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _mapped_libraries(pid: int) -> str:
@@ -30,7 +23,7 @@ def _mapped_libraries(pid: int) -> str:
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed: nothing to leave out")
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads the process's mappings from /proc")
 def test_cpu_server_compiles_its_decode_step_without_loading_triton() -> None:
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     # the server's own defaults (the test session's LLMSERVE_* turn compiling and quantization off)
     env = {k: v for k, v in os.environ.items() if not k.startswith("LLMSERVE_") and k != "TRITON_INTERPRET"}
@@ -39,16 +32,7 @@ def test_cpu_server_compiles_its_decode_step_without_loading_triton() -> None:
     command += ["--max-model-len", "1024", "--log-level", "warning"]
     proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 240
-        while True:
-            assert proc.poll() is None, proc.stdout.read().decode() if proc.stdout else ""
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "server never became healthy"
-            time.sleep(0.2)
+        wait_healthy(proc, url)
         body = {"model": MODEL, "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4}
         answer = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
         assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] >= 1

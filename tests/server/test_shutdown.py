@@ -4,7 +4,6 @@ the process exits 0."""
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -13,19 +12,13 @@ from pathlib import Path
 
 import httpx
 
-from tests.server.harness import MODEL
+from tests.server.harness import MODEL, free_port, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_sigterm_drains_in_flight_streams_and_exits_0() -> None:
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "LLMSERVE_KV_CACHE_MEMORY": str(64 * 1024 * 1024)}
     proc = subprocess.Popen(
@@ -49,16 +42,7 @@ def test_sigterm_drains_in_flight_streams_and_exits_0() -> None:
         stderr=subprocess.STDOUT,
     )
     try:
-        deadline = time.monotonic() + 240
-        while True:
-            assert proc.poll() is None, proc.stdout.read().decode() if proc.stdout else ""
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "server never became healthy"
-            time.sleep(0.2)
+        wait_healthy(proc, url)
 
         started = threading.Event()
         result: dict[str, object] = {}
