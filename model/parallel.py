@@ -188,7 +188,9 @@ class VocabParallelEmbedding(nn.Embedding):
 
     def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallel) -> None:
         self.shard = vocab_shard(vocab_size, tp.world_size, tp.rank)
-        super().__init__(self.shard.size, hidden_size)
+        # a weight given: no random init, which the checkpoint overwrites anyway; on the meta device its normal_
+        # would import torch._dynamo, a second of start-up before any compile
+        super().__init__(self.shard.size, hidden_size, _weight=torch.empty(self.shard.size, hidden_size))
         self.tp = tp
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -14,8 +14,7 @@ import torch
 _compiling_threads: set[int] = set()
 
 
-@torch._dynamo.assume_constant_result
-def _in_compiling_thread() -> bool:
+def _in_compiling_thread() -> bool:  # marked a constant for dynamo by the first `compiling_here`
     return threading.get_ident() in _compiling_threads
 
 
@@ -26,6 +25,10 @@ def traced() -> bool:
 @contextlib.contextmanager
 def compiling_here() -> Iterator[None]:
     """Within: graphs traced by this thread take the layers' compiled paths."""
+    # marked here, not at import: importing torch._dynamo takes a second of a start that answers before compiling
+    import torch._dynamo
+
+    torch._dynamo.assume_constant_result(_in_compiling_thread)
     ident = threading.get_ident()
     _compiling_threads.add(ident)
     try:
