@@ -25,9 +25,9 @@ def _leave_triton_unloaded_on_cpu(settings: Settings) -> None:
     is what torch's CPU wheel sees: inductor compiles C++ and the attention takes torch's path."""
     if "triton" in sys.modules or os.environ.get("TRITON_INTERPRET") == "1":
         return
-    import torch
+    from model.device import resolve_device
 
-    if settings.device == "cpu" or (settings.device == "auto" and not torch.cuda.is_available()):
+    if resolve_device(settings.device).type == "cpu":
         sys.modules["triton"] = None  # type: ignore[assignment]  # `import triton` raises ImportError
 
 

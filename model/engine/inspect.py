@@ -4,7 +4,8 @@ transformers model."""
 import torch
 
 from config import Settings
-from model.engine.model_runner import build_decoder, resolve_device, resolve_dtype
+from model.device import resolve_device
+from model.engine.model_runner import build_decoder, resolve_dtype
 from model.loaders import load_config
 
 

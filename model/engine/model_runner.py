@@ -24,6 +24,7 @@ from config import Settings
 from model.batch import Batch
 from model.config import ModelConfig
 from model.decoder import Decoder
+from model.device import resolve_device
 from model.engine.cuda_graphs import DecodeGraphs
 from model.engine.scheduler import ScheduledSeq
 from model.engine.sequence import SamplingParams, Sequence, TokenLogprob
@@ -74,12 +75,6 @@ HEARTBEAT_SECONDS = 5.0
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
 
 
 def cpu_has_bfloat16() -> bool:

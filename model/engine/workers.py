@@ -28,7 +28,8 @@ from pathlib import Path
 import torch.distributed as dist
 
 from config import Settings
-from model.engine.model_runner import ModelRunner, resolve_device
+from model.device import resolve_device
+from model.engine.model_runner import ModelRunner
 from model.parallel import TensorParallel
 
 log = logging.getLogger("llmserve.workers")

@@ -8,10 +8,10 @@
 // drift from the float32 reference) and, without AVX512-BF16, run only bfloat16 activations at speed; float32
 // ones fall to a scalar loop 20-100x slower.
 //
-// Two paths. Up to 12 rows (decode): activations are quantized to int16 per group (below) and each weight group,
-// widened to int16 once, is multiplied into every row with madd (vpdpwssd with AVX512-VNNI), so a step reads the
-// 4-bit bytes once. More rows (batched decode, prefill): tiles of weight rows are dequantized into a cache-sized
-// buffer and multiplied by torch's GEMM.
+// Two paths. Up to kFusedRows rows (decode; 12, or 16 with AVX512-VNNI): activations are quantized to int16 per
+// group (below) and each weight group, widened to int16 once, is multiplied into every row with madd (vpdpwssd with
+// AVX512-VNNI), so a step reads the 4-bit bytes once. More rows (batched decode, prefill): tiles of weight rows are
+// dequantized into a cache-sized buffer and multiplied by torch's GEMM.
 //
 // Layouts: 4 bits: uint8 [N, K / 2], ggml's block layout (byte j of a group holds value j in its low nibble and
 // value j + 16 in its high one). 8 bits: int8 [N, K]. scale, minimum: float32 [N, K / 32].
