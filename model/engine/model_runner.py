@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import xgrammar
 
 from config import Settings
 from model.batch import Batch
@@ -362,17 +361,21 @@ class ModelRunner:
             log.warning("flash-attn unused: it needs --block-size a multiple of 256 and a 16-bit --dtype")
         # our Triton kernel takes any block size and dtype: the CUDA default when flash-attn cannot run
         use_triton = not use_flash and triton_usable(self.device)
+        use_cpu_kernel = self.device.type == "cpu" and group_kernels.load(settings.cache_dir)
         for attn in self.decoder.attention_layers():
             attn.k_cache = zeroed(shape, self.dtype, self.device)
             attn.v_cache = zeroed(shape, self.dtype, self.device)
             attn.use_flash = use_flash
             attn.use_triton = use_triton
+            attn.use_cpu_kernel = use_cpu_kernel
         log.info("attention backend: %s on %s", self.attention_backend, self.device)
         return num_blocks
 
     @property
     def attention_backend(self) -> str:
         attn = self.decoder.attention_layers()[0]
+        if attn.use_cpu_kernel:
+            return "cpu-paged-decode"
         return "flash-attn" if attn.use_flash else "triton" if attn.use_triton else "torch-sdpa"
 
     def prepare(self, scheduled: list[ScheduledSeq]) -> Batch:
@@ -430,7 +433,7 @@ class ModelRunner:
         )
         first = self.decoder.attention_layers()[0]
         # the block views of the torch path: host work and a copy that flash-attn, Triton and CUDA graphs never read
-        if num_decode and not (first.use_flash or first.use_triton):
+        if num_decode and not (first.use_flash or first.use_triton or first.use_cpu_kernel):
             nb = -(-max(context_lens[:num_decode]) // bs)
             batch.decode_blocks = nb
             batch.decode_block_ids = tensor([b for t in tables[:num_decode] for b in t[:nb]], torch.int64).clamp_(min=0)
@@ -538,6 +541,8 @@ class ModelRunner:
         """Allowed tokens of every sampling row of a constrained sequence; a row with proposals walks its matcher
         through them (and back) to get each position's mask."""
         num_rows = sum(s.num_spec + 1 for s in rows)
+        import xgrammar  # only once a constrained request runs (see structured_output.py)
+
         bitmask = xgrammar.allocate_token_bitmask(num_rows, self.config.vocab_size)  # all allowed
         constrained: list[int] = []
         at = 0

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model.batch import Batch
+from model.layers import group_kernels
 from model.layers.tracing import traced
 from model.layers.triton_attention import paged_attention
 
@@ -42,6 +43,7 @@ class PagedAttention(nn.Module):
         self.register_buffer("v_cache", torch.empty(0), persistent=False)
         self.use_flash = False
         self.use_triton = False  # set by the ModelRunner on CUDA without flash-attn
+        self.use_cpu_kernel = False  # set by the ModelRunner on CPU where our paged_attention.cpp is built
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Batch) -> torch.Tensor:
         # q: [T, H, D], k/v: [T, KVH, D] -> [T, H, D]
@@ -114,6 +116,11 @@ class PagedAttention(nn.Module):
 
     def _decode(self, q: torch.Tensor, batch: Batch) -> torch.Tensor:
         # q: [B, H, D]; one query per sequence, batched over sequences with a padding mask.
+        if self.use_cpu_kernel:
+            nd = q.shape[0]
+            return group_kernels.paged_decode_attention(
+                q, self.k_cache, self.v_cache, batch.block_tables[:nd], batch.positions[:nd], self.scale, self.window
+            )
         nd, nb = q.shape[0], batch.decode_blocks
         assert batch.decode_block_ids is not None and batch.decode_mask is not None
         bs = self.k_cache.shape[1]
@@ -139,6 +146,10 @@ class PagedAttention(nn.Module):
         block, offset = batch.slot_mapping // block_size, batch.slot_mapping % block_size
         self.k_cache.index_put_((block, offset), k)
         self.v_cache.index_put_((block, offset), v)
+        if self.use_cpu_kernel:
+            return group_kernels.paged_decode_attention(
+                q, self.k_cache, self.v_cache, batch.block_tables, batch.positions, self.scale, self.window
+            )
         tables = batch.block_tables.clamp(min=0).long()  # [B, blocks], -1 padding read as block 0 and masked
         torch._check(tables.shape[0] == q.shape[0])
         rows = q.shape[0]

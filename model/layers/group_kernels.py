@@ -20,6 +20,7 @@ import torch
 log = logging.getLogger("llmserve.kernels")
 
 SOURCE = Path(__file__).with_name("group_gemm.cpp")
+SOURCES = (SOURCE, Path(__file__).with_name("paged_attention.cpp"))
 GROUP = 32
 
 _lock = threading.Lock()
@@ -63,7 +64,8 @@ LIBRARY = "llmserve_group_gemm"
 def build_dir(cache_dir: str) -> Path:
     """One folder per source, flags and torch version, so a cache shared by machines or torch upgrades never loads
     a library built for another."""
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(_build_flags()).encode() + torch.__version__.encode())
+    sources = b"".join(source.read_bytes() for source in SOURCES)
+    key = hashlib.sha256(sources + " ".join(_build_flags()).encode() + torch.__version__.encode())
     return (Path(cache_dir) if cache_dir else DEFAULT_ROOT) / "kernels" / key.hexdigest()[:16]
 
 
@@ -104,7 +106,7 @@ def _load(cache_dir: str) -> tuple[bool, str]:
         directory.mkdir(parents=True, exist_ok=True)
         cpp_extension.load(
             name=LIBRARY,
-            sources=[str(SOURCE)],
+            sources=[str(source) for source in SOURCES],
             extra_cflags=_build_flags(),
             extra_ldflags=["-fopenmp"],
             build_directory=str(directory),
@@ -113,7 +115,7 @@ def _load(cache_dir: str) -> tuple[bool, str]:
         )
         register_fake()
     except Exception as exc:  # noqa: BLE001 - a failed build leaves torch's kernels, which are correct
-        return False, f"building {SOURCE.name} failed: {exc!r}"[:500]
+        return False, f"building {SOURCE.name} or {SOURCES[1].name} failed: {exc!r}"[:500]
     return True, ""
 
 
@@ -121,6 +123,22 @@ def group_linear(
     x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None, bits: int
 ) -> torch.Tensor:
     return torch.ops.llmserve_kernels.group_linear(x, q, scale, minimum, bits)
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    positions: torch.Tensor,
+    scale: float,
+    window: int | None,
+) -> torch.Tensor:
+    """q [B, H, D] -> [B, H, D]: each row attends to its sequence's keys 0..positions[row] (the last `window` of
+    them), read through its block table row (int32) from a [blocks, block_size, KV heads, D] cache."""
+    return torch.ops.llmserve_kernels.paged_decode_attention(
+        q, k_cache, v_cache, block_tables, positions, scale, window or 0
+    )
 
 
 def fused_rows() -> int:
@@ -148,6 +166,18 @@ def register_fake() -> None:
         x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None, bits: int
     ) -> torch.Tensor:
         return x.new_empty(x.shape[0], scale.shape[0])
+
+    @torch.library.register_fake("llmserve_kernels::paged_decode_attention")
+    def _(
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        positions: torch.Tensor,
+        scale: float,
+        window: int,
+    ) -> torch.Tensor:
+        return torch.empty_like(q)
 
 
 if __name__ == "__main__":  # `make install` builds the kernel ahead of the first start
