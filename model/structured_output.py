@@ -4,7 +4,11 @@ that refuse what the backend cannot enforce.
 A request's constraint is a `GrammarSpec` (kind + canonical source text). `GrammarCache.compile()` turns it into an
 xgrammar `CompiledGrammar` once per distinct spec (LRU); each sequence then gets its own `GrammarMatcher`, which
 the model runner asks for a token bitmask before sampling and advances with every sampled token.
+
+xgrammar itself is imported by the first constrained request, not at start: it takes ~0.8 s to import.
 """
+
+from __future__ import annotations
 
 import json
 import logging
@@ -12,10 +16,11 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import xgrammar as xgr
-from transformers import PreTrainedTokenizerBase
+if TYPE_CHECKING:
+    import xgrammar as xgr
+    from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger("llmserve.structured_output")
 
@@ -66,7 +71,7 @@ class GrammarSpec:
     source: str  # JSON text of a schema, a choice list or a structural tag; a regex; an EBNF grammar
 
     @classmethod
-    def json_schema(cls, schema: Any) -> "GrammarSpec":
+    def json_schema(cls, schema: Any) -> GrammarSpec:
         return cls("json_schema", canonical_json(schema))
 
 
@@ -118,6 +123,8 @@ def tokenizer_info(hf: PreTrainedTokenizerBase, vocab_size: int, stop_token_ids:
     """xgrammar's view of the vocabulary. Special tokens (chat markers and the like) get an empty string, which
     xgrammar never allows, so no `<|im_start|>` can appear inside a constrained string and then vanish from the
     text when special tokens are skipped; the stop tokens stay allowed where the grammar may end."""
+    import xgrammar as xgr
+
     detected = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
     vocab = hf.get_vocab()
     encoded: list[bytes | str] = [""] * vocab_size
@@ -139,6 +146,8 @@ class GrammarCache:
     def __init__(self, info: xgr.TokenizerInfo, max_entries: int = 256) -> None:
         self.info = info
         # xgrammar's own cache is off: this one is bounded by entries and counts hits and misses.
+        import xgrammar as xgr
+
         self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         self._entries: OrderedDict[GrammarSpec, xgr.CompiledGrammar] = OrderedDict()
         self._lock = threading.Lock()
@@ -200,4 +209,6 @@ class GrammarCache:
 
 
 def new_matcher(constraint: Constraint) -> xgr.GrammarMatcher:
+    import xgrammar as xgr
+
     return xgr.GrammarMatcher(constraint.compiled)

@@ -15,14 +15,6 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from xgrammar.structural_tag import (
-    JSONSchemaFormat,
-    StructuralTag,
-    TagFormat,
-    TagsWithSeparatorFormat,
-    TriggeredTagsFormat,
-)
-
 NAME_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
@@ -79,6 +71,15 @@ def function_parameters(tool: dict[str, Any]) -> dict[str, Any]:
 
 def structural_tag(tools: list[dict[str, Any]], choice: str, parallel: bool, fmt: ToolCallFormat) -> str:
     """The xgrammar structural tag (JSON) for tool_choice "auto", "required" or one function's name."""
+    # imported here: xgrammar takes ~0.8 s to import, which a start that answers before any tool call need not pay
+    from xgrammar.structural_tag import (
+        JSONSchemaFormat,
+        StructuralTag,
+        TagFormat,
+        TagsWithSeparatorFormat,
+        TriggeredTagsFormat,
+    )
+
     chosen = [t for t in tools if choice in ("auto", "required") or t["function"]["name"] == choice]
     tags = [
         TagFormat(

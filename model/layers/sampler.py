@@ -17,7 +17,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-import xgrammar
 from torch import nn
 
 from model.sampling_params import SamplingParams, TokenLogprob
@@ -183,6 +182,8 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         logits.index_put_(batch.banned, torch.tensor(float("-inf"), device=logits.device))
     if batch.token_bitmask is not None:  # disallowed ids -> -inf, in place, on the masked rows only
         bitmask, masked_rows = batch.token_bitmask
+        import xgrammar  # only once a constrained request runs (see structured_output.py)
+
         xgrammar.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1], indices=masked_rows)
     return logits
 
