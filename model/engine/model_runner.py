@@ -24,12 +24,13 @@ from model.batch import Batch
 from model.config import ModelConfig
 from model.decoder import Decoder
 from model.device import resolve_device
+from model.engine import aot_step
 from model.engine.cuda_graphs import DecodeGraphs
 from model.engine.scheduler import ScheduledSeq
 from model.engine.sequence import SamplingParams, Sequence, TokenLogprob
 from model.layers import group_kernels
 from model.layers.attention import flash_attn_usable
-from model.layers.linear import onednn_usable, pack_linears
+from model.layers.linear import PackedLinear, onednn_usable, pack_linears
 from model.layers.quantization import install_quantized, quantize
 from model.layers.sampler import Sampler, SamplingBatch
 from model.layers.tracing import compiling_here
@@ -242,8 +243,35 @@ class ModelRunner:
         if self._compile_wanted and settings.cache_dir:
             # inductor's kernels survive restarts: a second start finds them and compiles in seconds
             os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(settings.cache_dir) / "inductor"))
+        # AOTInductor, in a child process, wherever the decoder exports: its linears our kernel's or torch's own
+        # (oneDNN's packed weights are opaque to a package, and keep torch.compile here)
+        self._settings = settings
+        self._aot_wanted = self._compile_wanted and not any(isinstance(m, PackedLinear) for m in self.decoder.modules())
+        self.aot_step: aot_step.AotDecodeStep | None = None
+        self._aot_ready: aot_step.AotDecodeStep | None = None
+        if self._aot_wanted:
+            self._load_aot_package()
         if not self._compile_wanted:
             self._compile_done.set()
+
+    def _load_aot_package(self) -> bool:
+        """Run decode steps from the package built for these settings, if one is there (a later start)."""
+        path = aot_step.package_path(self._settings)
+        if not path.exists():
+            return False
+        try:
+            loaded = aot_step.AotDecodeStep(path, self.decoder)
+        except Exception:  # noqa: BLE001 - a stale or broken package: built again in the background
+            log.exception("decode-step package %s unusable; building it again", path)
+            shutil.rmtree(path.parent, ignore_errors=True)
+            return False
+        if self._compile_started:
+            self._aot_ready = loaded
+        else:  # at start, before any step: compiled from the first one
+            self.aot_step = loaded
+            self._compile_wanted = False
+            log.info("decode steps run compiled, from %s", path)
+        return True
 
     def start_compile(self) -> None:
         """Begin compiling the decode step in a background thread (once). The engine calls it when it first idles,
@@ -257,17 +285,31 @@ class ModelRunner:
             thread = threading.get_native_id()
             os.setpriority(os.PRIO_PROCESS, thread, min(19, os.getpriority(os.PRIO_PROCESS, thread) + 10))
         try:
-            with compiling_here():
-                self._compile()
+            if self._aot_wanted:
+                self._build_aot_package()
+            else:
+                with compiling_here():
+                    self._compile()
         except Exception as exc:  # noqa: BLE001 - any compiler failure leaves the eager step, which is correct
             self.compile_error = repr(exc)
             log.exception("decode step stays eager: compiling it failed")
         finally:
             self._compile_done.set()
 
+    def _build_aot_package(self) -> None:
+        started = time.perf_counter()
+        built, output = aot_step.build_in_child(self._settings, aot_step.package_path(self._settings))
+        if not built or not self._load_aot_package():
+            raise RuntimeError(f"building the decode-step package failed:\n{output}")
+        self.compile_seconds = time.perf_counter() - started
+        log.info("decode step compiled ahead of time in %.1fs; it takes over when no request is running",
+                 self.compile_seconds)  # fmt: skip
+
     @property
     def decode_step_state(self) -> str:
         """compiling (eager steps serve meanwhile), compiled, or eager (not asked for, unavailable or failed)."""
+        if self.aot_step is not None or self._aot_ready is not None:
+            return "compiled"
         if self.compiled_forward is not None or self._compiled_ready is not None:
             return "compiled"
         return "eager" if self._compile_done.is_set() else "compiling"
@@ -281,6 +323,11 @@ class ModelRunner:
     def activate_compiled(self) -> bool:
         """Switch decode steps to the compiled graphs once they are ready. The engine calls it between steps when no
         sequence is running, so no request changes kernels halfway. True when this call switched."""
+        aot, self._aot_ready = self._aot_ready, None
+        if aot is not None:
+            self.aot_step = aot
+            log.info("decode steps now run compiled ahead of time (built in %.1fs)", self.compile_seconds)
+            return True
         ready, self._compiled_ready = self._compiled_ready, None
         if ready is None:
             return False
@@ -452,6 +499,8 @@ class ModelRunner:
         graph_logits = self.decode_graphs.run(batch) if self.decode_graphs is not None and rows else None
         if graph_logits is not None:
             logits = graph_logits
+        elif self.aot_step is not None and batch.num_decode == batch.num_seqs == len(rows):
+            logits = self.aot_step(batch)
         elif self.compiled_one_row is not None and batch.num_seqs == batch.num_decode == 1:
             logits = self.compiled_one_row(batch)
         else:
