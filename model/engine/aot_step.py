@@ -8,7 +8,7 @@ dynamic), and writes a `.pt2` package keyed by everything that shapes it. The se
 binds its own weights and KV pool to it as user-managed constants (held once), and calls it; a later start finds
 the package and runs compiled from its first step.
 
-    python -m model.engine.aot_step SETTINGS_JSON PACKAGE    # what the ModelRunner starts
+    python -m model.engine.aot_step PACKAGE < SETTINGS_JSON    # what the ModelRunner starts
 """
 
 import contextlib
@@ -123,9 +123,10 @@ def build_in_child(settings: Settings, path: Path) -> tuple[bool, str]:
     shutil.rmtree(building, ignore_errors=True)
     building.mkdir(parents=True)
     log_file = building / "build.log"
-    command = [sys.executable, "-m", "model.engine.aot_step", settings.model_dump_json(), str(building / path.name)]
-    with log_file.open("wb") as out:
-        code = subprocess.call(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, preexec_fn=_lower_priority)
+    command = [sys.executable, "-m", "model.engine.aot_step", str(building / path.name)]
+    with log_file.open("wb") as out:  # the settings on stdin: they may hold --api-key, which ps would show
+        code = subprocess.run(command, cwd=ROOT, input=settings.model_dump_json().encode(), stdout=out,
+                              stderr=subprocess.STDOUT, preexec_fn=_lower_priority).returncode  # fmt: skip
     tail = log_file.read_text(errors="replace")[-2000:]
     if code == 0 and (building / path.name).exists():
         with contextlib.suppress(OSError):  # one already there (another server's) is as good
@@ -171,13 +172,13 @@ def main(argv: list[str]) -> int:
     from model.engine.scheduler import ScheduledSeq
     from model.engine.sequence import SamplingParams, Sequence
 
-    settings = Settings.model_validate_json(argv[0]).model_copy(update={"torch_compile": False})
+    settings = Settings.model_validate_json(sys.stdin.read()).model_copy(update={"torch_compile": False})
     runner = ModelRunner(settings, [])
     bs, scratch = runner.block_size, runner.num_blocks
     seq = Sequence("export", [0, 0], SamplingParams(max_tokens=1))
     seq.block_table, seq.num_computed_tokens = [scratch], 1
     runner.run([ScheduledSeq(seq, 1)], [None])  # an eager step builds the rotary tables
-    export_package(runner.decoder, scratch, bs, settings.max_num_seqs, -(-runner.max_model_len // bs), Path(argv[1]))
+    export_package(runner.decoder, scratch, bs, settings.max_num_seqs, -(-runner.max_model_len // bs), Path(argv[0]))
     return 0
 
 
