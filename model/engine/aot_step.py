@@ -178,7 +178,8 @@ def main(argv: list[str]) -> int:
     seq = Sequence("export", [0, 0], SamplingParams(max_tokens=1))
     seq.block_table, seq.num_computed_tokens = [scratch], 1
     runner.run([ScheduledSeq(seq, 1)], [None])  # an eager step builds the rotary tables
-    export_package(runner.decoder, scratch, bs, settings.max_num_seqs, -(-runner.max_model_len // bs), Path(argv[0]))
+    max_blocks = -(-runner.max_model_len // bs) + 1
+    export_package(runner.decoder, scratch, bs, settings.max_num_seqs, max_blocks, Path(argv[0]))
     return 0
 
 
