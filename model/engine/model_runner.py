@@ -247,6 +247,7 @@ class ModelRunner:
         # (oneDNN's packed weights are opaque to a package, and keep torch.compile here)
         self._settings = settings
         self._aot_wanted = self._compile_wanted and not any(isinstance(m, PackedLinear) for m in self.decoder.modules())
+        self._aot_path = aot_step.package_path(settings) if self._aot_wanted else None
         self.aot_step: aot_step.AotDecodeStep | None = None
         self._aot_ready: aot_step.AotDecodeStep | None = None
         if self._aot_wanted:
@@ -256,8 +257,8 @@ class ModelRunner:
 
     def _load_aot_package(self) -> bool:
         """Run decode steps from the package built for these settings, if one is there (a later start)."""
-        path = aot_step.package_path(self._settings)
-        if not path.exists():
+        path = self._aot_path
+        if path is None or not path.exists():
             return False
         try:
             loaded = aot_step.AotDecodeStep(path, self.decoder)
@@ -298,7 +299,8 @@ class ModelRunner:
 
     def _build_aot_package(self) -> None:
         started = time.perf_counter()
-        built, output = aot_step.build_in_child(self._settings, aot_step.package_path(self._settings))
+        assert self._aot_path is not None
+        built, output = aot_step.build_in_child(self._settings, self._aot_path)
         if not built or not self._load_aot_package():
             raise RuntimeError(f"building the decode-step package failed:\n{output}")
         self.compile_seconds = time.perf_counter() - started
@@ -308,9 +310,8 @@ class ModelRunner:
     @property
     def decode_step_state(self) -> str:
         """compiling (eager steps serve meanwhile), compiled, or eager (not asked for, unavailable or failed)."""
-        if self.aot_step is not None or self._aot_ready is not None:
-            return "compiled"
-        if self.compiled_forward is not None or self._compiled_ready is not None:
+        ready = (self.aot_step, self._aot_ready, self.compiled_forward, self._compiled_ready)
+        if any(r is not None for r in ready):
             return "compiled"
         return "eager" if self._compile_done.is_set() else "compiling"
 

@@ -1,6 +1,7 @@
 """Drive an Engine synchronously, step by step, without its worker thread."""
 
 from model.engine.engine import Engine
+from model.engine.scheduler import ScheduledSeq
 from model.engine.sequence import SamplingParams
 
 
@@ -37,3 +38,17 @@ def run(
 
 def greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def next_decode_step(engine: Engine, prompts: list[list[int]], tag: str) -> list[ScheduledSeq]:
+    """Submit `prompts` (3 greedy tokens each), step until all are prefilled, and return the next step's scheduled
+    rows, one decode token each, without running it."""
+    for i, ids in enumerate(prompts):
+        engine.add_request(f"{tag}-{i}", ids, greedy(3))
+    engine._drain_inbox(block=False)
+    running = engine.scheduler.running
+    while any(s.num_computed_tokens < s.num_prompt_tokens for s in running) or not running:
+        engine.step()
+    scheduled = engine.scheduler.schedule().scheduled
+    assert len(scheduled) == len(prompts) and all(s.num_tokens == 1 for s in scheduled)
+    return scheduled

@@ -12,7 +12,7 @@ from config import Settings
 from model.engine import aot_step
 from model.engine.engine import Engine
 from model.engine.model_runner import c_compiler_found
-from tests.engine.drive import greedy, run
+from tests.engine.drive import greedy, next_decode_step, run
 from tests.model.families import build_hf, make_tokenizer, prompts, save_hf
 
 pytestmark = pytest.mark.skipif(not c_compiler_found(), reason="AOTInductor on CPU needs a C++ compiler")
@@ -77,13 +77,7 @@ def test_ahead_of_time_steps_give_eager_tokens(built: Engine, folder: Path, cach
 @pytest.mark.parametrize("rows", [3, 1])
 def test_ahead_of_time_logits_match_eager(built: Engine, rows: int) -> None:
     e = built
-    for i, ids in enumerate(prompts(seed=3, lengths=(5, 23, 50)[:rows])):
-        e.add_request(f"l{rows}-{i}", ids, greedy(3))
-    e._drain_inbox(block=False)
-    while any(s.num_computed_tokens < s.num_prompt_tokens for s in e.scheduler.running) or not e.scheduler.running:
-        e.step()
-    scheduled = e.scheduler.schedule().scheduled
-    assert len(scheduled) == rows and all(s.num_tokens == 1 for s in scheduled)
+    scheduled = next_decode_step(e, prompts(seed=3, lengths=(5, 23, 50)[:rows]), f"l{rows}")
     runner = e.runner
     assert runner.aot_step is not None
     with torch.inference_mode():

@@ -12,7 +12,7 @@ from config import Settings
 from model.batch import Batch
 from model.engine.engine import Engine
 from model.engine.model_runner import c_compiler_found
-from tests.engine.drive import greedy, run
+from tests.engine.drive import greedy, next_decode_step, run
 from tests.model.families import build_hf, make_tokenizer, prompts, save_hf
 
 pytestmark = pytest.mark.skipif(not c_compiler_found(), reason="torch.compile on CPU needs a C++ compiler")
@@ -64,14 +64,7 @@ def test_compiled_decode_steps_give_eager_tokens(mistral_folder: Path) -> None:
 @pytest.mark.parametrize("rows", [3, 1])
 def test_compiled_logits_match_eager_on_a_decode_batch(mistral_folder: Path, rows: int) -> None:
     e = engine(mistral_folder, torch_compile=True)
-    requests = {f"r{i}": (p, greedy(3)) for i, p in enumerate(prompts(lengths=(5, 23, 50)[:rows]))}
-    for rid, (ids, params) in requests.items():
-        e.add_request(rid, ids, params)
-    e._drain_inbox(block=False)
-    while any(s.num_computed_tokens < s.num_prompt_tokens for s in e.scheduler.running) or not e.scheduler.running:
-        e.step()
-    scheduled = e.scheduler.schedule().scheduled
-    assert len(scheduled) == rows and all(s.num_tokens == 1 for s in scheduled)
+    scheduled = next_decode_step(e, prompts(lengths=(5, 23, 50)[:rows]), "r")
     runner = e.runner
     with torch.inference_mode():
         eager = runner.decoder.compute_logits(runner.decoder(runner.prepare(scheduled)))

@@ -31,10 +31,14 @@ def test_cpu_server_compiles_its_decode_step_without_loading_triton(tmp_path: Pa
     command = [sys.executable, "-m", "server", "serve", "--device", "cpu", "--max-model-len", "1024"]
     command += ["--log-level", "warning"]
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4}
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen(command + ["--port", str(port)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT)  # fmt: skip
+
+    def start() -> tuple[subprocess.Popen[bytes], str]:
+        port = free_port()
+        proc = subprocess.Popen(command + ["--port", str(port)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT)  # fmt: skip
+        return proc, f"http://127.0.0.1:{port}"
+
+    proc, url = start()
     try:
         wait_healthy(proc, url)
         answer = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
@@ -56,10 +60,7 @@ def test_cpu_server_compiles_its_decode_step_without_loading_triton(tmp_path: Pa
     finally:
         proc.terminate()
         proc.wait(timeout=60)
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen(command + ["--port", str(port)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT)  # fmt: skip
+    proc, url = start()
     try:
         wait_healthy(proc, url)
         assert httpx.get(url + "/health", timeout=5).json()["decode_step"] == "compiled"
