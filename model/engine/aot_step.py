@@ -19,6 +19,7 @@ import os
 import shutil
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import torch
@@ -143,7 +144,15 @@ class AotDecodeStep:
     """A loaded package with this process's weights, rotary tables and KV pool bound to it (not copied)."""
 
     def __init__(self, path: Path, decoder: nn.Module) -> None:
-        self.loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
+        # through our ops where the kernel library has them: their calls release the GIL (aot_package.cpp)
+        self._ops = getattr(torch.ops.llmserve_kernels, "aot_package_run", None) is not None
+        if self._ops:
+            self._handle = torch.ops.llmserve_kernels.aot_package_load(str(path))
+            weakref.finalize(self, torch.ops.llmserve_kernels.aot_package_release, self._handle)
+            wanted = torch.ops.llmserve_kernels.aot_package_constant_names(self._handle)
+        else:
+            self.loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
+            wanted = self.loader.get_constant_fqns()
         for module in decoder.modules():  # the rotary tables, built lazily by eager steps
             if isinstance(module, RotaryEmbedding) and module.cos_sin.numel() == 0:
                 module.build_cache()
@@ -151,7 +160,6 @@ class AotDecodeStep:
             f"decoder.{n}": t for n, t in decoder.named_parameters(remove_duplicate=False)
         }
         tensors.update({f"decoder.{n}": t for n, t in decoder.named_buffers(remove_duplicate=False)})
-        wanted = self.loader.get_constant_fqns()
         for name in wanted:  # the rotary tables, buffers of the exported decoder only
             owner, _, attr = name.removeprefix("decoder.").rpartition(".")
             if name not in tensors and isinstance(value := getattr(decoder.get_submodule(owner), attr, None),
@@ -160,10 +168,16 @@ class AotDecodeStep:
         missing = [n for n in wanted if n not in tensors]
         if missing:
             raise RuntimeError(f"the decode-step package wants constants this decoder lacks: {missing[:4]}")
-        self.loader.load_constants({n: tensors[n] for n in wanted}, False, True, True)
+        if self._ops:
+            torch.ops.llmserve_kernels.aot_package_bind(self._handle, wanted, [tensors[n] for n in wanted])
+        else:
+            self.loader.load_constants({n: tensors[n] for n in wanted}, False, True, True)
 
     def __call__(self, batch: Batch) -> torch.Tensor:
-        return self.loader.run([batch.input_ids, batch.positions, batch.slot_mapping, batch.block_tables])[0]
+        inputs = [batch.input_ids, batch.positions, batch.slot_mapping, batch.block_tables]
+        if self._ops:
+            return torch.ops.llmserve_kernels.aot_package_run(self._handle, inputs)[0]
+        return self.loader.run(inputs)[0]
 
 
 def main(argv: list[str]) -> int:

@@ -5,7 +5,10 @@ torch's int4/int8 kernels instead, and say so once in the log.
 `group_linear(x, q, scale, minimum, bits)`: x float32 or bfloat16 [M, K] -> [M, N] in x's dtype, with
 W[n, k] = q * scale + minimum per group of 32 input columns; an op of its own
 (`torch.ops.llmserve_kernels.group_linear`), so compiled graphs call it too. The build targets this CPU: AVX2,
-AVX512-VNNI (two groups per pass) and AVX512-BF16 (prompt GEMMs in bfloat16) where /proc/cpuinfo lists them."""
+AVX512-VNNI (two groups per pass) and AVX512-BF16 (prompt GEMMs in bfloat16) where /proc/cpuinfo lists them.
+
+The library also holds paged_attention.cpp (the CPU decode attention) and aot_package.cpp (the ahead-of-time decode
+step's package, run from ops that release the GIL)."""
 
 import functools
 import hashlib
@@ -20,7 +23,7 @@ import torch
 log = logging.getLogger("llmserve.kernels")
 
 SOURCE = Path(__file__).with_name("group_gemm.cpp")
-SOURCES = (SOURCE, Path(__file__).with_name("paged_attention.cpp"))
+SOURCES = (SOURCE, Path(__file__).with_name("paged_attention.cpp"), Path(__file__).with_name("aot_package.cpp"))
 GROUP = 32
 
 _lock = threading.Lock()
@@ -115,7 +118,7 @@ def _load(cache_dir: str) -> tuple[bool, str]:
         )
         register_fake()
     except Exception as exc:  # noqa: BLE001 - a failed build leaves torch's kernels, which are correct
-        return False, f"building {SOURCE.name} or {SOURCES[1].name} failed: {exc!r}"[:500]
+        return False, f"building {', '.join(s.name for s in SOURCES)} failed: {exc!r}"[:500]
     return True, ""
 
 

@@ -12,6 +12,7 @@ from config import Settings
 from model.engine import aot_step
 from model.engine.engine import Engine
 from model.engine.model_runner import c_compiler_found
+from model.layers import group_kernels
 from tests.engine.drive import greedy, next_decode_step, run
 from tests.model.families import build_hf, make_tokenizer, prompts, save_hf
 
@@ -55,6 +56,8 @@ def test_ahead_of_time_steps_give_eager_tokens(built: Engine, folder: Path, cach
     calls = [0]
     step = runner.aot_step
     assert step is not None
+    # through our ops (they release the GIL) wherever our kernel library loads
+    assert step._ops == group_kernels.load(str(cache_dir))
 
     def counting(batch):  # type: ignore[no-untyped-def]
         calls[0] += 1
