@@ -140,10 +140,11 @@ class Decoder(nn.Module):
     ) -> "Decoder":
         """Uninitialized parameters in `dtype` on `device` (this rank's slices), ready for load_weights. The dtype is
         set while still on the meta device: to_empty() in float32 then .to(bfloat16) would touch (make resident) the
-        float32 copy."""
+        float32 copy. torch.empty rather than to_empty(): its empty_like of a meta tensor imports sympy (~50 MiB
+        resident in a server that never traces)."""
         with torch.device("meta"):
             decoder = cls(config, max_positions, tp)
-        decoder = decoder.to(dtype).to_empty(device=device)
+        decoder = decoder.to(dtype)._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
         decoder.tie_weights()
         return decoder
 

@@ -17,7 +17,6 @@ import weakref
 
 import torch
 from torch import nn
-from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 from model.layers.tracing import traced
 
@@ -50,7 +49,12 @@ def one_row_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def is_one_row(x: torch.Tensor) -> bool:
     """True only in a graph traced for a single row (x: [1, ...]); False in eager code and for a row count left
     symbolic."""
-    return traced() and guard_or_false(x.shape[0] == 1)
+    if not traced():
+        return False
+    # imported here: it brings sympy (~50 MiB resident) into a serving process that never traces
+    from torch.fx.experimental.symbolic_shapes import guard_or_false
+
+    return guard_or_false(x.shape[0] == 1)
 
 
 @functools.cache
