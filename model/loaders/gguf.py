@@ -3,10 +3,11 @@ when asked, Q4_0 / Q4_1 / Q8_0 matrices unpacked as they are (GroupQuantized) fo
 
 import mmap
 import re
+import struct
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 import gguf
 import numpy as np
@@ -42,9 +43,53 @@ PERMUTED_ARCHITECTURES = ("llama",)
 CHUNK_BYTES = 8 * 2**20
 
 
+class LazyArray(Sequence[Any]):
+    """A long metadata array (a tokenizer's vocabulary and merges), read from the file when first indexed: the
+    tokenizer is loaded from its own cache on later starts, and the config wants only the length."""
+
+    def __init__(self, data: np.ndarray, offset: int, item_type: gguf.GGUFValueType, count: int) -> None:
+        self._data, self._offset, self._type, self._count = data, offset, item_type, count
+        self._values: list[Any] | None = None
+
+    def __len__(self) -> int:
+        return self._count
+
+    @overload
+    def __getitem__(self, index: int) -> Any: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[Any]: ...
+    def __getitem__(self, index: int | slice) -> Any:
+        if self._values is None:
+            self._values = self._read()
+        return self._values[index]
+
+    def _read(self) -> list[Any]:
+        if self._type != gguf.GGUFValueType.STRING:
+            dtype = np.dtype(gguf.GGUFReader.gguf_scalar_to_np[self._type])
+            return self._data[self._offset : self._offset + dtype.itemsize * self._count].view(dtype).tolist()
+        raw, offs, out = self._data, self._offset, []
+        for _ in range(self._count):
+            length = int(raw[offs : offs + 8].view(np.uint64)[0])
+            out.append(raw[offs + 8 : offs + 8 + length].tobytes().decode("utf-8"))
+            offs += 8 + length
+        return out
+
+
+def _strings_size(data: np.ndarray, offset: int, count: int) -> int:
+    """Bytes of `count` length-prefixed strings from `offset`."""
+    view, offs = data.data, offset  # the buffer, for struct
+    for _ in range(count):
+        offs += 8 + struct.unpack_from("<Q", view, offs)[0]
+    return offs - offset
+
+
 class _Reader(gguf.GGUFReader):
     """gguf's reader over a plain ndarray view of its np.memmap: the parser slices the file ~2 million times for a
-    49k-token vocabulary, and np.memmap's per-slice bookkeeping made that 3.3 of a 4.5 s parse here."""
+    49k-token vocabulary, and np.memmap's per-slice bookkeeping made that 3.3 of a 4.5 s parse here. Long arrays are
+    only measured, not parsed (gguf's parts for a 49k vocabulary took 0.6-1 s of a later start): their values are
+    LazyArrays in `long_arrays`, by key."""
+
+    LONG = 256  # items
 
     @property  # type: ignore[override]
     def data(self) -> np.ndarray:
@@ -54,6 +99,30 @@ class _Reader(gguf.GGUFReader):
     def data(self, mapping: np.memmap) -> None:
         self.mapping = mapping
         self._view = np.asarray(mapping)
+        self.long_arrays: dict[str, LazyArray] = {}
+        self._long: LazyArray | None = None  # measured by _get_field_parts, named by the _push_field after it
+        self._depth = 0
+
+    def _get_field_parts(self, orig_offs: int, raw_type: int) -> tuple[int, list[np.ndarray], list[int], list[Any]]:
+        if self._depth == 0 and raw_type == gguf.GGUFValueType.ARRAY and self.byte_order == "I":
+            item_type, count = self._get(orig_offs, np.uint32), self._get(orig_offs + 4, np.uint64)
+            start, n = orig_offs + 12, int(count[0])
+            kind = gguf.GGUFValueType(int(item_type[0]))
+            scalar = self.gguf_scalar_to_np.get(kind)
+            if n > self.LONG and (scalar is not None or kind == gguf.GGUFValueType.STRING):
+                size = np.dtype(scalar).itemsize * n if scalar is not None else _strings_size(self._view, start, n)
+                self._long = LazyArray(self._view, start, kind, n)
+                return 12 + size, [item_type, count], [], [gguf.GGUFValueType.ARRAY, kind]
+        self._depth += 1
+        try:
+            return super()._get_field_parts(orig_offs, raw_type)
+        finally:
+            self._depth -= 1
+
+    def _push_field(self, field: gguf.ReaderField, skip_sum: bool = False) -> int:
+        if self._long is not None:
+            self.long_arrays[field.name], self._long = self._long, None
+        return super()._push_field(field, skip_sum)
 
 
 class GGUFFile:
@@ -75,6 +144,9 @@ class GGUFFile:
         out: dict[str, Any] = {}
         for key, field in self.reader.fields.items():
             if key.startswith("GGUF."):
+                continue
+            if key in self.reader.long_arrays:
+                out[key] = self.reader.long_arrays[key]
                 continue
             try:
                 out[key] = field.contents()

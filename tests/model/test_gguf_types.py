@@ -218,3 +218,44 @@ def test_qwen_gguf_keeps_transformers_layout(family: str, qtype: Q, tmp_path: Pa
         theirs = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32).eval()
         for prompt in batch:
             assert (hf_logits(theirs, prompt) - hf_logits(model, prompt)).abs().max().item() <= 1e-4
+
+
+def _reference_metadata(path: Path) -> dict[str, object]:
+    """gguf's own reader, every field parsed."""
+    out: dict[str, object] = {}
+    for key, field in gguf.GGUFReader(str(path)).fields.items():
+        if not key.startswith("GGUF."):
+            out[key] = field.contents()
+    return out
+
+
+def _plain(value: object) -> object:
+    return value if isinstance(value, str | int | float | bool) else list(value)  # type: ignore[call-overload]
+
+
+def test_metadata_with_long_arrays_read_lazily_equals_gguf_readers(default_model_path: Path, tmp_path: Path) -> None:
+    """Long arrays (the vocabulary, merges, token types) are measured at open and read when first indexed: the same
+    values as gguf's full parse, and the tensors after them found at the same offsets."""
+    path = tmp_path / "arrays.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_array("test.strings", [f"tok{i}é" * (i % 5) for i in range(1000)])
+    writer.add_array("test.short", ["a", "bc"])
+    writer.add_array("test.floats", [i / 7 for i in range(700)])
+    writer.add_array("test.ints", list(range(-300, 300)))
+    writer.add_uint32("test.after", 7)
+    writer.add_tensor("weight", np.arange(64, dtype=np.float32).reshape(8, 8))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    for gguf_path in (path, default_model_path):
+        ours = GGUFFile(gguf_path)
+        metadata = ours.metadata()
+        assert ours.reader.long_arrays  # the lazy path was taken
+        reference = _reference_metadata(gguf_path)
+        assert {k: _plain(v) for k, v in metadata.items()} == reference
+        stock = gguf.GGUFReader(str(gguf_path))
+        assert [(t.name, t.data_offset, t.n_bytes) for t in ours.reader.tensors] == [
+            (t.name, t.data_offset, t.n_bytes) for t in stock.tensors
+        ]
+    assert np.array_equal(GGUFFile(path).reader.tensors[0].data, np.arange(64, dtype=np.float32).reshape(8, 8))
