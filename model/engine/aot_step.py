@@ -12,11 +12,13 @@ the package and runs compiled from its first step.
 """
 
 import contextlib
+import ctypes
 import hashlib
 import json
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import weakref
@@ -32,6 +34,7 @@ from model.layers.rotary import RotaryEmbedding
 log = logging.getLogger("llmserve.aot_step")
 
 ROOT = Path(__file__).resolve().parents[2]
+PR_SET_PDEATHSIG = 1  # prctl(2)
 # settings that change the exported graph or its constants' shapes
 KEY_FIELDS = ("dtype", "quantization", "prepack_weights", "block_size", "kv_cache_memory", "max_model_len",
               "max_num_seqs", "device")  # fmt: skip
@@ -121,13 +124,14 @@ def build_in_child(settings: Settings, path: Path) -> tuple[bool, str]:
     """Run export_package in a child process at low priority; (done, the tail of its log)."""
     # built in a folder of its own, renamed into place when whole: another server may be building the same
     building = path.parent.with_name(f"{path.parent.name}.building-{os.getpid()}")
+    _remove_abandoned_builds(path.parent)
     shutil.rmtree(building, ignore_errors=True)
     building.mkdir(parents=True)
     log_file = building / "build.log"
     command = [sys.executable, "-m", "model.engine.aot_step", str(building / path.name)]
     with log_file.open("wb") as out:  # the settings on stdin: they may hold --api-key, which ps would show
         code = subprocess.run(command, cwd=ROOT, input=settings.model_dump_json().encode(), stdout=out,
-                              stderr=subprocess.STDOUT, preexec_fn=_lower_priority).returncode  # fmt: skip
+                              stderr=subprocess.STDOUT, preexec_fn=_child_setup).returncode  # fmt: skip
     tail = log_file.read_text(errors="replace")[-2000:]
     if code == 0 and (building / path.name).exists():
         with contextlib.suppress(OSError):  # one already there (another server's) is as good
@@ -136,8 +140,21 @@ def build_in_child(settings: Settings, path: Path) -> tuple[bool, str]:
     return path.exists(), tail
 
 
-def _lower_priority() -> None:  # the child (and the compilers it starts) yields the CPUs to serving
-    os.nice(10)
+def _child_setup() -> None:
+    os.nice(10)  # the child (and the compilers it starts) yields the CPUs to serving
+    # and dies with the server: a stopped server left its build running on, holding ~600 MiB and a CPU
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() == 1:  # the server died before the line above
+        os._exit(1)
+
+
+def _remove_abandoned_builds(package_dir: Path) -> None:
+    """Folders of builds whose server died (killed before it could clean up)."""
+    for folder in package_dir.parent.glob(f"{package_dir.name}.building-*"):
+        pid = folder.name.rpartition("-")[2]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 class AotDecodeStep:
