@@ -29,6 +29,11 @@ class Settings(BaseSettings):
         description="CPU linear layers: auto = the checkpoint's own (a GGUF's Q4_0/Q4_1/Q4_K as int4, Q8_0 as int8), "
         "none = dequantized to --dtype (the exact reference in float32), int8/int4 = requantize every layer",
     )
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto",
+        description="the KV cache's type: auto = float16 on CPU under quantized linears (as llama.cpp's default "
+        "cache; half the memory and reads of float32), else --dtype's; other than --dtype on CPU only",
+    )
     prepack_weights: bool = Field(True, description="CPU: reorder linear weights once for oneDNN (about 2x MKL here)")
     torch_compile: bool = Field(
         True,

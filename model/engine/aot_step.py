@@ -36,8 +36,8 @@ log = logging.getLogger("llmserve.aot_step")
 ROOT = Path(__file__).resolve().parents[2]
 PR_SET_PDEATHSIG = 1  # prctl(2)
 # settings that change the exported graph or its constants' shapes
-KEY_FIELDS = ("dtype", "quantization", "prepack_weights", "block_size", "kv_cache_memory", "max_model_len",
-              "max_num_seqs", "device")  # fmt: skip
+KEY_FIELDS = ("dtype", "kv_cache_dtype", "quantization", "prepack_weights", "block_size", "kv_cache_memory",
+              "max_model_len", "max_num_seqs", "device")  # fmt: skip
 
 
 class DecodeStep(nn.Module):

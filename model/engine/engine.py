@@ -149,6 +149,7 @@ class Engine:
             f"dtype={str(self.runner.dtype).removeprefix('torch.')} device={self.runner.device} "
             f"attention={self.runner.attention_backend} kv_cache={self.block_manager.num_blocks} blocks x "
             f"{self.block_manager.block_size} tokens = {self.kv_capacity_tokens} tokens "
+            f"in {str(self.runner.kv_dtype).removeprefix('torch.')} "
             f"max_model_len={self.max_model_len} "
             + (f"tensor_parallel={self.runner.tp.world_size} " if self.runner.tp.world_size > 1 else "")
             + f"loaded in {self.runner.load_seconds:.1f}s"

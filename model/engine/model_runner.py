@@ -31,7 +31,7 @@ from model.engine.sequence import SamplingParams, Sequence, TokenLogprob
 from model.layers import group_kernels
 from model.layers.attention import flash_attn_usable
 from model.layers.linear import PackedLinear, onednn_usable, pack_linears
-from model.layers.quantization import install_quantized, quantize
+from model.layers.quantization import WeightOnlyLinear, install_quantized, quantize
 from model.layers.sampler import Sampler, SamplingBatch
 from model.layers.tracing import compiling_here
 from model.layers.triton_attention import triton_usable
@@ -395,7 +395,8 @@ class ModelRunner:
         c = self.config
         # this rank's KV heads; blocks counted for the rank with the most, so that every rank has the same number
         heads = head_shard(c.num_heads, c.num_kv_heads, self.tp.world_size, self.tp.rank)
-        per_block = 2 * c.num_layers * self.block_size * heads.max_kv * c.head_dim * self.dtype.itemsize
+        self.kv_dtype = self._kv_cache_dtype(settings.kv_cache_dtype)
+        per_block = 2 * c.num_layers * self.block_size * heads.max_kv * c.head_dim * self.kv_dtype.itemsize
         budget = settings.kv_cache_memory
         if budget == 0 and self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
@@ -411,13 +412,26 @@ class ModelRunner:
         use_triton = not use_flash and triton_usable(self.device)
         use_cpu_kernel = self.device.type == "cpu" and group_kernels.load(settings.cache_dir)
         for attn in self.decoder.attention_layers():
-            attn.k_cache = zeroed(shape, self.dtype, self.device)
-            attn.v_cache = zeroed(shape, self.dtype, self.device)
+            attn.k_cache = zeroed(shape, self.kv_dtype, self.device)
+            attn.v_cache = zeroed(shape, self.kv_dtype, self.device)
             attn.use_flash = use_flash
             attn.use_triton = use_triton
             attn.use_cpu_kernel = use_cpu_kernel
         log.info("attention backend: %s on %s", self.attention_backend, self.device)
         return num_blocks
+
+    def _kv_cache_dtype(self, name: str) -> torch.dtype:
+        if name != "auto":
+            dtype = DTYPES[name]
+            if dtype != self.dtype and self.device.type != "cpu":
+                raise ValueError(f"--kv-cache-dtype {name} differs from --dtype: that runs on CPU only")
+            return dtype
+        quantized = any(isinstance(m, WeightOnlyLinear) for m in self.decoder.modules())
+        if self.device.type == "cpu" and self.dtype == torch.float32 and quantized:
+            # the quantized path is not the float32 reference already; a float16 cache (llama.cpp's default) halves
+            # the pool's memory and what decode attention reads each step
+            return torch.float16
+        return self.dtype
 
     @property
     def attention_backend(self) -> str:

@@ -50,8 +50,13 @@ class PagedAttention(nn.Module):
         if traced():  # compiled graphs run decode-only steps
             return self._traced_decode(q, k, v, batch)
         if self.k_cache.numel():
-            self.k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, batch.slot_mapping, k)
-            self.v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, batch.slot_mapping, v)
+            # the pool may be 16-bit under a float32 model (--kv-cache-dtype); .to() is free when they agree
+            self.k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(
+                0, batch.slot_mapping, k.to(self.k_cache.dtype)
+            )
+            self.v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(
+                0, batch.slot_mapping, v.to(self.v_cache.dtype)
+            )
         if self.use_flash:
             return self._flash(q, batch)
         if self.use_triton:
@@ -104,7 +109,7 @@ class PagedAttention(nn.Module):
                 ki, vi = k[start : start + q_len].transpose(0, 1)[None], v[start : start + q_len].transpose(0, 1)[None]
             else:
                 ki, vi = self._gather(batch.block_tables[i : i + 1], ctx_len)
-                ki, vi = ki[:, :, :ctx_len], vi[:, :, :ctx_len]  # [1, KVH, C, D]
+                ki, vi = ki[:, :, :ctx_len].to(q.dtype), vi[:, :, :ctx_len].to(q.dtype)  # [1, KVH, C, D]
             if self.window is None and ctx_len == q_len:
                 o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=self.scale, enable_gqa=True)
             else:
@@ -127,6 +132,7 @@ class PagedAttention(nn.Module):
         # index_select on the block dimension: one contiguous copy per block, faster than advanced indexing
         k = self.k_cache.index_select(0, batch.decode_block_ids).view(nd, nb * bs, self.num_kv_heads, self.head_dim)
         v = self.v_cache.index_select(0, batch.decode_block_ids).view(nd, nb * bs, self.num_kv_heads, self.head_dim)
+        k, v = k.to(q.dtype), v.to(q.dtype)
         mask = batch.decode_mask if self.window is None else self._window_mask(batch)  # [B, 1, 1, S]
         # the query heads that share a KV head are that head's queries: no K/V expansion for GQA (torch's CPU
         # kernel is 5x faster so in bfloat16 than with enable_gqa at B=16-64, and 10 % in float32)
@@ -144,8 +150,8 @@ class PagedAttention(nn.Module):
         # traced only: decode rows, q [B, H, D]; products and sums in float32 whatever the cache's dtype
         block_size = self.k_cache.shape[1]
         block, offset = batch.slot_mapping // block_size, batch.slot_mapping % block_size
-        self.k_cache.index_put_((block, offset), k)
-        self.v_cache.index_put_((block, offset), v)
+        self.k_cache.index_put_((block, offset), k.to(self.k_cache.dtype))
+        self.v_cache.index_put_((block, offset), v.to(self.v_cache.dtype))
         if self.use_cpu_kernel:
             return group_kernels.paged_decode_attention(
                 q, self.k_cache, self.v_cache, batch.block_tables, batch.positions, self.scale, self.window

@@ -21,6 +21,10 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -84,6 +88,104 @@ struct Split {  // what one split of a sequence leaves per head: max score, sum 
   float* acc;
 };
 
+// The exponentials of one head's scores (in place), their max and their sum.
+inline void softmax_terms(float* scores, int64_t n, float& top, float& total) {
+  top = -std::numeric_limits<float>::infinity();
+  for (int64_t i = 0; i < n; ++i) top = std::max(top, scores[i]);
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < n; ++i) {
+    scores[i] = exp_nonpositive(scores[i] - top);
+    sum += scores[i];
+  }
+  total = sum;
+}
+
+#ifdef __AVX512F__
+// 16 cache values as float32
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+// One split of one sequence with D = 16 * C, each KV head's rows loaded into registers once for the query heads
+// that share it (GQA): keys, then the exponentials, then values with the output rows held in registers. The
+// generic loop below read every row through a float copy and kept its sums in memory, 5-8x slower (16 sequences
+// of ~220 tokens: 251 us per layer, hot).
+template <typename T, int C>
+void split_avx512(const float* query, const T* kp, const T* vp, const int32_t* table, int64_t block_size,
+                  int64_t row_stride, int64_t KVH, int64_t group, int64_t first, int64_t stop, float* scores,
+                  const Split& part) {
+  constexpr int64_t D = 16 * C;
+  const int64_t n = stop - first;
+  auto row_at = [&](const T* cache, int64_t t, int64_t kvh) {
+    return cache + (static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size) * row_stride +
+           kvh * D;
+  };
+  // the first pass over a sequence's rows reads them from memory, in blocks scattered over the pool, which the
+  // hardware prefetcher does not follow: fetch whole rows (all KV heads) a few tokens ahead
+  constexpr int64_t kAhead = 16;
+  auto prefetch_row = [&](const T* cache, int64_t t) {
+    const char* row = reinterpret_cast<const char*>(row_at(cache, t, 0));
+    for (int64_t byte = 0; byte < row_stride * static_cast<int64_t>(sizeof(T)); byte += 64)
+      _mm_prefetch(row + byte, _MM_HINT_T0);
+  };
+  for (int64_t kvh = 0; kvh < KVH; ++kvh) {
+    const float* q = query + kvh * group * D;
+    float* s = scores + kvh * group * n;  // [group, n]
+    for (int64_t t = first; t < stop; ++t) {
+      if (kvh == 0 && t + kAhead < stop) prefetch_row(kp, t + kAhead);
+      const T* k = row_at(kp, t, kvh);
+      __m512 kc[C];
+      for (int c = 0; c < C; ++c) kc[c] = load16(k + 16 * c);
+      for (int64_t g = 0; g < group; ++g) {
+        const float* qg = q + g * D;
+        __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qg), kc[0]);
+        for (int c = 1; c < C; ++c) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * c), kc[c], acc);
+        s[g * n + (t - first)] = _mm512_reduce_add_ps(acc);
+      }
+    }
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t h = kvh * group + g;
+      softmax_terms(s + g * n, n, part.max[h], part.total[h]);
+      const float* p = s + g * n;
+      __m512 o[C];
+      for (int c = 0; c < C; ++c) o[c] = _mm512_setzero_ps();
+      for (int64_t t = first; t < stop; ++t) {
+        if (kvh == 0 && g == 0 && t + kAhead < stop) prefetch_row(vp, t + kAhead);
+        const T* v = row_at(vp, t, kvh);
+        const __m512 w = _mm512_set1_ps(p[t - first]);
+        for (int c = 0; c < C; ++c) o[c] = _mm512_fmadd_ps(w, load16(v + 16 * c), o[c]);
+      }
+      for (int c = 0; c < C; ++c) _mm512_storeu_ps(part.acc + h * D + 16 * c, o[c]);
+    }
+  }
+}
+
+template <typename T>
+using SplitKernel = void (*)(const float*, const T*, const T*, const int32_t*, int64_t, int64_t, int64_t, int64_t,
+                             int64_t, int64_t, float*, const Split&);
+
+template <typename T>
+SplitKernel<T> avx512_kernel(int64_t D) {
+  switch (D) {
+    case 16: return split_avx512<T, 1>;
+    case 32: return split_avx512<T, 2>;
+    case 48: return split_avx512<T, 3>;
+    case 64: return split_avx512<T, 4>;
+    case 80: return split_avx512<T, 5>;
+    case 96: return split_avx512<T, 6>;
+    case 128: return split_avx512<T, 8>;
+    case 256: return split_avx512<T, 16>;
+    default: return nullptr;
+  }
+}
+#endif
+
 template <typename T>
 void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& tables,
             const at::Tensor& positions, double scale, int64_t window, at::Tensor& out) {
@@ -111,6 +213,9 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
     return Split{base, base + H, base + 2 * H};
   };
 
+#ifdef __AVX512F__
+  const SplitKernel<T> fast = avx512_kernel<T>(D);
+#endif
   at::parallel_for(0, B * splits, 1, [&](int64_t begin, int64_t end) {
     c10::InferenceMode guard;  // thread-local: the pool's threads do not inherit it
     std::vector<float> query(H * D), scores, k_row(D), v_row(D);
@@ -131,6 +236,12 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
         for (int64_t i = 0; i < D; ++i) query[h * D + i] = qp[b * q_row + h * q_head + i] * static_cast<float>(scale);
       scores.resize(static_cast<size_t>(H * n));
       const int32_t* table = tp + b * max_blocks;
+#ifdef __AVX512F__
+      if (fast != nullptr) {
+        fast(query.data(), kp, vp, table, block_size, row_stride, KVH, group, first, stop, scores.data(), part);
+        continue;
+      }
+#endif
       for (int64_t t = first; t < stop; ++t) {
         const T* row = kp + (static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size) * row_stride;
         for (int64_t kvh = 0; kvh < KVH; ++kvh) {
@@ -139,19 +250,7 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
             scores[h * n + (t - first)] = dot(query.data() + h * D, k, D);
         }
       }
-      for (int64_t h = 0; h < H; ++h) {
-        float* sh = scores.data() + h * n;
-        float top = -std::numeric_limits<float>::infinity();
-        for (int64_t i = 0; i < n; ++i) top = std::max(top, sh[i]);
-        float total = 0.f;
-#pragma omp simd reduction(+ : total)
-        for (int64_t i = 0; i < n; ++i) {
-          sh[i] = exp_nonpositive(sh[i] - top);
-          total += sh[i];
-        }
-        part.max[h] = top;
-        part.total[h] = total;
-      }
+      for (int64_t h = 0; h < H; ++h) softmax_terms(scores.data() + h * n, n, part.max[h], part.total[h]);
       std::fill(part.acc, part.acc + H * D, 0.f);
       for (int64_t t = first; t < stop; ++t) {
         const T* row = vp + (static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size) * row_stride;

@@ -114,3 +114,45 @@ def test_the_gguf_tokenizer_is_cached_once_built(default_model_path: Path, tmp_p
     assert cached.eos_token_ids == built.eos_token_ids and cached.vocab_size == built.vocab_size
     ids = built.encode("The quick brown fox, 1234 \t\n ünïcödé")
     assert cached.decode(ids) == built.decode(ids)
+
+
+def _greedy_with_logits(engine: Engine, ids: list[int], n: int) -> tuple[list[int], torch.Tensor]:
+    """n greedy tokens, and the logits of each decode step's one row (prompt in one step, then one row per step)."""
+    from model.engine.sequence import SamplingParams
+
+    logits: list[torch.Tensor] = []
+    compute = engine.runner.decoder.compute_logits
+
+    def recording(hidden: torch.Tensor) -> torch.Tensor:
+        out = compute(hidden)
+        logits.append(out[-1].clone())
+        return out
+
+    engine.runner.decoder.compute_logits = recording  # type: ignore[method-assign]
+    engine.add_request("r", ids, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    engine._drain_inbox(block=False)
+    out: list[int] = []
+    while engine.scheduler.has_work():
+        for o in engine.step():
+            out += o.new_token_ids
+    return out, torch.stack(logits)
+
+
+def test_the_quantized_default_caches_kv_in_float16(make_engine: object, default_tokenizer: Tokenizer) -> None:
+    """Under the checkpoint's own 4-bit linears the KV pool is float16 (llama.cpp's default cache): the same greedy
+    tokens as a float32 pool, logits within float16's rounding of K and V; the float32 reference keeps float32."""
+    assert callable(make_engine)
+    common = {"dtype": "float32", "torch_compile": False, "kv_cache_memory": 32 * 2**20}
+    half = make_engine(quantization="auto", **common)
+    full = make_engine(quantization="auto", kv_cache_dtype="float32", **common)
+    reference = make_engine(quantization="none", **common)
+    assert half.runner.kv_dtype == torch.float16
+    assert all(a.k_cache.dtype == a.v_cache.dtype == torch.float16 for a in half.runner.decoder.attention_layers())
+    assert full.runner.kv_dtype == torch.float32 and reference.runner.kv_dtype == torch.float32
+    assert half.kv_capacity_tokens >= 2 * full.kv_capacity_tokens  # the same memory holds twice the tokens
+    ids = default_tokenizer.apply_chat_template([{"role": "user", "content": "Name three colours of the rainbow."}])
+    tokens_half, logits_half = _greedy_with_logits(half, ids, 24)
+    tokens_full, logits_full = _greedy_with_logits(full, ids, 24)
+    assert tokens_half == tokens_full
+    # float16 keeps 11 significant bits of each K and V: logits (up to ~35) move by a few hundredths
+    assert float((logits_half - logits_full).abs().max()) < 0.1
