@@ -31,8 +31,9 @@ class Settings(BaseSettings):
     )
     kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto",
-        description="the KV cache's type: auto = float16 on CPU under quantized linears (as llama.cpp's default "
-        "cache; half the memory and reads of float32), else --dtype's; other than --dtype on CPU only",
+        description="the KV cache's type: auto = float16 on CPU under quantized linears where our kernels are built "
+        "(as llama.cpp's default cache; half the memory and reads of float32), else --dtype's; other than --dtype "
+        "on CPU only",
     )
     prepack_weights: bool = Field(True, description="CPU: reorder linear weights once for oneDNN (about 2x MKL here)")
     torch_compile: bool = Field(
