@@ -395,7 +395,8 @@ class ModelRunner:
         c = self.config
         # this rank's KV heads; blocks counted for the rank with the most, so that every rank has the same number
         heads = head_shard(c.num_heads, c.num_kv_heads, self.tp.world_size, self.tp.rank)
-        self.kv_dtype = self._kv_cache_dtype(settings.kv_cache_dtype, settings.cache_dir)
+        use_cpu_kernel = self.device.type == "cpu" and group_kernels.load(settings.cache_dir)
+        self.kv_dtype = self._kv_cache_dtype(settings.kv_cache_dtype, use_cpu_kernel)
         per_block = 2 * c.num_layers * self.block_size * heads.max_kv * c.head_dim * self.kv_dtype.itemsize
         budget = settings.kv_cache_memory
         if budget == 0 and self.device.type == "cuda":
@@ -410,7 +411,6 @@ class ModelRunner:
             log.warning("flash-attn unused: it needs --block-size a multiple of 256 and a 16-bit --dtype")
         # our Triton kernel takes any block size and dtype: the CUDA default when flash-attn cannot run
         use_triton = not use_flash and triton_usable(self.device)
-        use_cpu_kernel = self.device.type == "cpu" and group_kernels.load(settings.cache_dir)
         for attn in self.decoder.attention_layers():
             attn.k_cache = zeroed(shape, self.kv_dtype, self.device)
             attn.v_cache = zeroed(shape, self.kv_dtype, self.device)
@@ -420,14 +420,14 @@ class ModelRunner:
         log.info("attention backend: %s on %s", self.attention_backend, self.device)
         return num_blocks
 
-    def _kv_cache_dtype(self, name: str, cache_dir: str) -> torch.dtype:
+    def _kv_cache_dtype(self, name: str, use_cpu_kernel: bool) -> torch.dtype:
         if name != "auto":
             dtype = DTYPES[name]
             if dtype != self.dtype and self.device.type != "cpu":
                 raise ValueError(f"--kv-cache-dtype {name} differs from --dtype: that runs on CPU only")
             return dtype
         quantized = any(isinstance(m, WeightOnlyLinear) for m in self.decoder.modules())
-        if self.device.type == "cpu" and self.dtype == torch.float32 and quantized and group_kernels.load(cache_dir):
+        if use_cpu_kernel and self.dtype == torch.float32 and quantized:
             # the quantized path is not the float32 reference already; a float16 cache (llama.cpp's default) halves
             # the pool's memory and what our decode attention reads each step (torch's SDPA path, where our kernel
             # is not built, would convert its gathered copy back every step)

@@ -67,20 +67,17 @@ class LazyArray(Sequence[Any]):
         if self._type != gguf.GGUFValueType.STRING:
             dtype = np.dtype(gguf.GGUFReader.gguf_scalar_to_np[self._type])
             return self._data[self._offset : self._offset + dtype.itemsize * self._count].view(dtype).tolist()
-        raw, offs, out = self._data, self._offset, []
-        for _ in range(self._count):
-            length = int(raw[offs : offs + 8].view(np.uint64)[0])
-            out.append(raw[offs + 8 : offs + 8 + length].tobytes().decode("utf-8"))
-            offs += 8 + length
-        return out
+        view, spans = self._data.data, _strings(self._data, self._offset, self._count)
+        return [bytes(view[start : start + n]).decode("utf-8") for start, n in spans]
 
 
-def _strings_size(data: np.ndarray, offset: int, count: int) -> int:
-    """Bytes of `count` length-prefixed strings from `offset`."""
-    view, offs = data.data, offset  # the buffer, for struct
+def _strings(data: np.ndarray, offset: int, count: int) -> Iterator[tuple[int, int]]:
+    """(start, length) of each of `count` length-prefixed strings from `offset`."""
+    view = data.data  # the buffer, for struct
     for _ in range(count):
-        offs += 8 + struct.unpack_from("<Q", view, offs)[0]
-    return offs - offset
+        length = struct.unpack_from("<Q", view, offset)[0]
+        yield offset + 8, length
+        offset += 8 + length
 
 
 class _Reader(gguf.GGUFReader):
@@ -110,7 +107,8 @@ class _Reader(gguf.GGUFReader):
             kind = gguf.GGUFValueType(int(item_type[0]))
             scalar = self.gguf_scalar_to_np.get(kind)
             if n > self.LONG and (scalar is not None or kind == gguf.GGUFValueType.STRING):
-                size = np.dtype(scalar).itemsize * n if scalar is not None else _strings_size(self._view, start, n)
+                size = (np.dtype(scalar).itemsize * n if scalar is not None
+                        else sum(8 + length for _, length in _strings(self._view, start, n)))  # fmt: skip
                 self._long = LazyArray(self._view, start, kind, n)
                 return 12 + size, [item_type, count], [], [gguf.GGUFValueType.ARRAY, kind]
         self._depth += 1
