@@ -126,8 +126,9 @@ void split_avx512(const float* query, const T* kp, const T* vp, const int32_t* t
     return cache + (static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size) * row_stride +
            kvh * D;
   };
-  // the first pass over a sequence's rows reads them from memory, in blocks scattered over the pool, which the
-  // hardware prefetcher does not follow: fetch whole rows (all KV heads) a few tokens ahead
+  // the first pass over a sequence's rows reads them from memory, in blocks scattered over the pool: fetch whole
+  // rows (all KV heads) a block ahead. Measured with the cache flushed (16 x 220 tokens): 309-333 us against 336
+  // without, within this machine's noise; 6 or 32 tokens ahead did no better
   constexpr int64_t kAhead = 16;
   auto prefetch_row = [&](const T* cache, int64_t t) {
     const char* row = reinterpret_cast<const char*>(row_at(cache, t, 0));
