@@ -47,7 +47,7 @@ def _build_flags() -> list[str]:
     flags = ["-O3", "-std=c++17", "-fopenmp"]
     have = cpu_flags()
     if {"avx2", "fma"} <= have:
-        flags += ["-mavx2", "-mfma"]
+        flags += ["-mavx2", "-mfma"] + (["-mf16c"] if "f16c" in have else [])
         if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= have:
             flags += ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]
             if "avx512_bf16" in have:
