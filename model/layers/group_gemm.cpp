@@ -8,10 +8,10 @@
 // drift from the float32 reference) and, without AVX512-BF16, run only bfloat16 activations at speed; float32
 // ones fall to a scalar loop 20-100x slower.
 //
-// Two paths. Up to kFusedRows rows (decode; 32 with AVX2, 16 with AVX512-VNNI): activations are quantized to int16 per
-// group (below) and each weight group, widened to int16 once, is multiplied into every row with madd (vpdpwssd with
-// AVX512-VNNI), so a step reads the 4-bit bytes once. More rows (batched decode, prefill): tiles of weight rows are
-// dequantized into a cache-sized buffer and multiplied by torch's GEMM.
+// Two paths. Up to kFusedRows rows (decode; 32 with AVX2, 16 with AVX512-VNNI, 12 in portable C++): activations
+// are quantized to int16 per group (below) and each weight group, widened to int16 once, is multiplied into every
+// row with madd (vpdpwssd with AVX512-VNNI), so a step reads the 4-bit bytes once. More rows (batched decode,
+// prefill): tiles of weight rows are dequantized into a cache-sized buffer and multiplied by torch's GEMM.
 //
 // Layouts: 4 bits: uint8 [N, K / 2], ggml's block layout (byte j of a group holds value j in its low nibble and
 // value j + 16 in its high one). 8 bits: int8 [N, K]. scale, minimum: float32 [N, K / 32].
@@ -61,9 +61,13 @@ constexpr int64_t kFusedRows = 16;  // more rows than this take the tiled path (
 constexpr int64_t kRowsPerPass = 8;  // 32 vector registers: 8 rows' sums and the weights
 #else
 constexpr bool kPaired = false;
+#ifdef GROUP_GEMM_AVX2
 // AVX2 (Zen 3, 2 threads): 16 rows ran 2.5-3x faster here than the tiled float32 path, 32 rows 1.3-2x; from
 // 48 rows the two were level
 constexpr int64_t kFusedRows = 32;
+#else
+constexpr int64_t kFusedRows = 12;  // the portable loops: torch's GEMM takes over early
+#endif
 constexpr int64_t kRowsPerPass = 4;
 #endif
 constexpr int64_t kBlock = 16;  // weight rows per block
