@@ -109,6 +109,7 @@ def test_the_gguf_tokenizer_is_cached_once_built(default_model_path: Path, tmp_p
     built = Tokenizer.load(default_model_path, cache_dir=tmp_path)
     assert list((tmp_path / "tokenizers").glob("*/tokenizer.json"))
     cached = Tokenizer.load(default_model_path, cache_dir=tmp_path)
+    assert type(cached.hf) is type(built.hf)  # the class AutoTokenizer chose, read back without looking it up
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Héllo <b>wörld</b> 🌍"}]
     assert cached.apply_chat_template(messages) == built.apply_chat_template(messages)
     assert cached.eos_token_ids == built.eos_token_ids and cached.vocab_size == built.vocab_size
