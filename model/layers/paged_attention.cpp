@@ -102,33 +102,72 @@ inline void softmax_terms(float* scores, int64_t n, float& top, float& total) {
 }
 
 #ifdef __AVX512F__
-// 16 cache values as float32
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-inline __m512 load16(const c10::BFloat16* p) {
-  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
+// 16 floats per register
+struct Vec {
+  using V = __m512;
+  static constexpr int64_t kWidth = 16;
+  static constexpr int kMaxChunks = 16;  // 32 registers: D up to 256
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static V load(const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  static V load(const c10::BFloat16* p) {
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+  }
+  static V zero() { return _mm512_setzero_ps(); }
+  static V broadcast(float x) { return _mm512_set1_ps(x); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+  static float sum(V v) { return _mm512_reduce_add_ps(v); }
+};
+#define PAGED_ATTENTION_VECTOR 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+// 8 floats per register, for CPUs without AVX512 (Zen 3, older Xeons): there the generic loop below ran 16
+// sequences of ~220 tokens at 2.0 ms per layer (float16 cache, hot: a scalar conversion per value), this at 0.26
+struct Vec {
+  using V = __m256;
+  static constexpr int64_t kWidth = 8;
+  static constexpr int kMaxChunks = 16;  // 16 registers: D up to 128
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static V load(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static V load(const c10::BFloat16* p) {
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+  }
+  static V zero() { return _mm256_setzero_ps(); }
+  static V broadcast(float x) { return _mm256_set1_ps(x); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+  static float sum(V v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+  }
+};
+#define PAGED_ATTENTION_VECTOR 1
+#endif
 
-// One split of one sequence with D = 16 * C, each KV head's rows loaded into registers once for the query heads
-// that share it (GQA): keys, then the exponentials, then values with the output rows held in registers. The
-// generic loop below read every row through a float copy and kept its sums in memory, 5-8x slower (16 sequences
-// of ~220 tokens: 251 us per layer, hot).
+#ifdef PAGED_ATTENTION_VECTOR
+// One split of one sequence with D = C vector registers, each KV head's rows loaded into registers once for the
+// query heads that share it (GQA): keys, then the exponentials, then values with the output rows held in
+// registers. The generic loop below read every row through a float copy and kept its sums in memory, 5-8x slower
+// (AVX512, 16 sequences of ~220 tokens: 251 us per layer, hot).
 template <typename T, int C>
-void split_avx512(const float* query, const T* kp, const T* vp, const int32_t* table, int64_t block_size,
+void split_vector(const float* query, const T* kp, const T* vp, const int32_t* table, int64_t block_size,
                   int64_t row_stride, int64_t KVH, int64_t group, int64_t first, int64_t stop, float* scores,
                   const Split& part) {
-  constexpr int64_t D = 16 * C;
+  using V = Vec::V;
+  constexpr int64_t W = Vec::kWidth, D = W * C;
   const int64_t n = stop - first;
   auto row_at = [&](const T* cache, int64_t t, int64_t kvh) {
     return cache + (static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size) * row_stride +
            kvh * D;
   };
   // the first pass over a sequence's rows reads them from memory, in blocks scattered over the pool: fetch whole
-  // rows (all KV heads) a block ahead. Measured with the cache flushed (16 x 220 tokens): 309-333 us against 336
-  // without, within this machine's noise; 6 or 32 tokens ahead did no better
+  // rows (all KV heads) a block ahead. Measured with the cache flushed (Zen 5, 16 x 220 tokens): 309-333 us
+  // against 336 without, within that machine's noise; 6 or 32 tokens ahead did no better
   constexpr int64_t kAhead = 16;
   auto prefetch_row = [&](const T* cache, int64_t t) {
     const char* row = reinterpret_cast<const char*>(row_at(cache, t, 0));
@@ -141,28 +180,28 @@ void split_avx512(const float* query, const T* kp, const T* vp, const int32_t* t
     for (int64_t t = first; t < stop; ++t) {
       if (kvh == 0 && t + kAhead < stop) prefetch_row(kp, t + kAhead);
       const T* k = row_at(kp, t, kvh);
-      __m512 kc[C];
-      for (int c = 0; c < C; ++c) kc[c] = load16(k + 16 * c);
+      V kc[C];
+      for (int c = 0; c < C; ++c) kc[c] = Vec::load(k + W * c);
       for (int64_t g = 0; g < group; ++g) {
         const float* qg = q + g * D;
-        __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qg), kc[0]);
-        for (int c = 1; c < C; ++c) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * c), kc[c], acc);
-        s[g * n + (t - first)] = _mm512_reduce_add_ps(acc);
+        V acc = Vec::mul(Vec::load(qg), kc[0]);
+        for (int c = 1; c < C; ++c) acc = Vec::fmadd(Vec::load(qg + W * c), kc[c], acc);
+        s[g * n + (t - first)] = Vec::sum(acc);
       }
     }
     for (int64_t g = 0; g < group; ++g) {
       const int64_t h = kvh * group + g;
       softmax_terms(s + g * n, n, part.max[h], part.total[h]);
       const float* p = s + g * n;
-      __m512 o[C];
-      for (int c = 0; c < C; ++c) o[c] = _mm512_setzero_ps();
+      V o[C];
+      for (int c = 0; c < C; ++c) o[c] = Vec::zero();
       for (int64_t t = first; t < stop; ++t) {
         if (kvh == 0 && g == 0 && t + kAhead < stop) prefetch_row(vp, t + kAhead);
         const T* v = row_at(vp, t, kvh);
-        const __m512 w = _mm512_set1_ps(p[t - first]);
-        for (int c = 0; c < C; ++c) o[c] = _mm512_fmadd_ps(w, load16(v + 16 * c), o[c]);
+        const V w = Vec::broadcast(p[t - first]);
+        for (int c = 0; c < C; ++c) o[c] = Vec::fmadd(w, Vec::load(v + W * c), o[c]);
       }
-      for (int c = 0; c < C; ++c) _mm512_storeu_ps(part.acc + h * D + 16 * c, o[c]);
+      for (int c = 0; c < C; ++c) Vec::store(part.acc + h * D + W * c, o[c]);
     }
   }
 }
@@ -170,97 +209,34 @@ void split_avx512(const float* query, const T* kp, const T* vp, const int32_t* t
 template <typename T>
 using SplitKernel = void (*)(const float*, const T*, const T*, const int32_t*, int64_t, int64_t, int64_t, int64_t,
                              int64_t, int64_t, float*, const Split&);
-
-template <typename T>
-SplitKernel<T> vector_kernel(int64_t D) {
-  switch (D) {
-    case 16: return split_avx512<T, 1>;
-    case 32: return split_avx512<T, 2>;
-    case 48: return split_avx512<T, 3>;
-    case 64: return split_avx512<T, 4>;
-    case 80: return split_avx512<T, 5>;
-    case 96: return split_avx512<T, 6>;
-    case 128: return split_avx512<T, 8>;
-    case 256: return split_avx512<T, 16>;
-    default: return nullptr;
-  }
-}
-#define PAGED_ATTENTION_VECTOR 1
-#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-// The same kernel in 8-float registers, for CPUs without AVX512 (Zen 3, older Xeons): the generic loop ran 16
-// sequences of ~220 tokens at ~1.2 ms per layer on a Zen 3, this one at ~0.3 (float16 cache, hot).
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
-inline __m256 load8(const c10::BFloat16* p) {
-  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-}
-inline float reduce_add(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 
 template <typename T, int C>
-void split_avx2(const float* query, const T* kp, const T* vp, const int32_t* table, int64_t block_size,
-                int64_t row_stride, int64_t KVH, int64_t group, int64_t first, int64_t stop, float* scores,
-                const Split& part) {
-  constexpr int64_t D = 8 * C;
-  const int64_t n = stop - first;
-  auto row_at = [&](const T* cache, int64_t t, int64_t kvh) {
-    return cache + (static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size) * row_stride +
-           kvh * D;
-  };
-  for (int64_t kvh = 0; kvh < KVH; ++kvh) {
-    const float* q = query + kvh * group * D;
-    float* s = scores + kvh * group * n;  // [group, n]
-    for (int64_t t = first; t < stop; ++t) {
-      const T* k = row_at(kp, t, kvh);
-      __m256 kc[C];
-      for (int c = 0; c < C; ++c) kc[c] = load8(k + 8 * c);
-      for (int64_t g = 0; g < group; ++g) {
-        const float* qg = q + g * D;
-        __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(qg), kc[0]);
-        for (int c = 1; c < C; ++c) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * c), kc[c], acc);
-        s[g * n + (t - first)] = reduce_add(acc);
-      }
-    }
-    for (int64_t g = 0; g < group; ++g) {
-      const int64_t h = kvh * group + g;
-      softmax_terms(s + g * n, n, part.max[h], part.total[h]);
-      const float* p = s + g * n;
-      __m256 o[C];
-      for (int c = 0; c < C; ++c) o[c] = _mm256_setzero_ps();
-      for (int64_t t = first; t < stop; ++t) {
-        const T* v = row_at(vp, t, kvh);
-        const __m256 w = _mm256_set1_ps(p[t - first]);
-        for (int c = 0; c < C; ++c) o[c] = _mm256_fmadd_ps(w, load8(v + 8 * c), o[c]);
-      }
-      for (int c = 0; c < C; ++c) _mm256_storeu_ps(part.acc + h * D + 8 * c, o[c]);
-    }
+constexpr SplitKernel<T> kernel_of() {
+  if constexpr (C <= Vec::kMaxChunks) {
+    return split_vector<T, C>;
+  } else {
+    return nullptr;
   }
 }
 
-template <typename T>
-using SplitKernel = void (*)(const float*, const T*, const T*, const int32_t*, int64_t, int64_t, int64_t, int64_t,
-                             int64_t, int64_t, float*, const Split&);
-
-// up to 128 (16 registers of 8 floats hold a key row at most)
+// the head sizes of the model families we run
 template <typename T>
 SplitKernel<T> vector_kernel(int64_t D) {
-  switch (D) {
-    case 16: return split_avx2<T, 2>;
-    case 32: return split_avx2<T, 4>;
-    case 48: return split_avx2<T, 6>;
-    case 64: return split_avx2<T, 8>;
-    case 80: return split_avx2<T, 10>;
-    case 96: return split_avx2<T, 12>;
-    case 128: return split_avx2<T, 16>;
+  if (D % Vec::kWidth != 0) return nullptr;
+  switch (D / Vec::kWidth) {
+    case 1: return kernel_of<T, 1>();
+    case 2: return kernel_of<T, 2>();
+    case 3: return kernel_of<T, 3>();
+    case 4: return kernel_of<T, 4>();
+    case 5: return kernel_of<T, 5>();
+    case 6: return kernel_of<T, 6>();
+    case 8: return kernel_of<T, 8>();
+    case 10: return kernel_of<T, 10>();
+    case 12: return kernel_of<T, 12>();
+    case 16: return kernel_of<T, 16>();
     default: return nullptr;
   }
 }
-#define PAGED_ATTENTION_VECTOR 1
 #endif
 
 template <typename T>
