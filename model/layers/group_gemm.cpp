@@ -9,8 +9,8 @@
 // ones fall to a scalar loop 20-100x slower.
 //
 // Two paths. Up to kFusedRows rows (decode; 32 with AVX2, 16 with AVX512-VNNI, 12 in portable C++): activations
-// are quantized to int16 per group (below) and each weight group, widened to int16 once, is multiplied into every
-// row with madd (vpdpwssd with AVX512-VNNI), so a step reads the 4-bit bytes once. More rows (batched decode,
+// are quantized to int16 per group (below) and each weight group, as int16 once (widened, or with AVX2 its 4-bit
+// nibbles masked in place), is multiplied into every row with madd (vpdpwssd with AVX512-VNNI), so a step reads the 4-bit bytes once. More rows (batched decode,
 // prefill): tiles of weight rows are dequantized into a cache-sized buffer and multiplied by torch's GEMM.
 //
 // Layouts: 4 bits: uint8 [N, K / 2], ggml's block layout (byte j of a group holds value j in its low nibble and
@@ -45,9 +45,14 @@ constexpr int64_t kGroup = 32;
 // 1.5e-5 of that magnitude, between float16's and float32's), so that one madd multiplies 16 weights: about a third
 // of the instructions of dequantizing to float. Their float sums are kept for the minimum's term.
 //
-// With AVX512 two groups go through one pass, in the order their 4-bit bytes widen to: one row's pair (g, g + 1) is
-// 64 values, [g 0..15, g+1 0..15, g 16..31, g+1 16..31], and each group's scale is repeated 8 times (one per int32
-// lane its sums land in); an odd last group is paired with zeros.
+// Two layouts pair groups, so that one pass takes two groups (g, g + 1) of 64 values in the order the weights unpack
+// to, and each group's scale is repeated over the int32 lanes its sums land in; an odd last group is paired with
+// zeros.
+// - Paired512 (AVX512): [g 0..15, g+1 0..15, g 16..31, g+1 16..31], the order 32 bytes widen to; scales 8 times.
+// - NibbleWords (AVX2, 4 bits): the 32 packed bytes of the pair read as 16-bit words, word i holding bytes 2i and
+//   2i + 1, so that masking each word's four nibbles in place gives four vectors with no widening (a lane-crossing
+//   shuffle each, two per group, where the madds are the work): [value 2i], [2i + 16], [2i + 1], [2i + 17] for
+//   i = 0..7, group g in the low 8 lanes of each and g + 1 in the high 8; scales 4 times.
 struct QuantizedRows {
   std::vector<int16_t> q;  // [M, ldq]
   std::vector<float> scale;  // [M, ldd]
@@ -56,11 +61,9 @@ struct QuantizedRows {
 };
 
 #ifdef GROUP_GEMM_AVX512
-constexpr bool kPaired = true;
 constexpr int64_t kFusedRows = 16;  // more rows than this take the tiled path (measured crossover)
 constexpr int64_t kRowsPerPass = 8;  // 32 vector registers: 8 rows' sums and the weights
 #else
-constexpr bool kPaired = false;
 #ifdef GROUP_GEMM_AVX2
 // AVX2 (Zen 3, 2 threads): 16 rows ran 2.5-3x faster here than the tiled float32 path, 32 rows 1.3-2x; from
 // 48 rows the two were level
@@ -77,9 +80,31 @@ constexpr bool kBfloat16Prompts = true;  // more than kFusedRows float32 rows mu
 constexpr bool kBfloat16Prompts = false;
 #endif
 
-QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K) {
+enum class Layout { Plain, Paired512, NibbleWords };
+
+Layout layout_for(int bits) {
+#ifdef GROUP_GEMM_AVX512
+  return Layout::Paired512;
+#elif defined(GROUP_GEMM_AVX2)
+  return bits == 4 ? Layout::NibbleWords : Layout::Plain;
+#else
+  return Layout::Plain;
+#endif
+}
+
+// Where value j of group g lands in its row, in `layout`.
+inline int64_t position(Layout layout, int64_t g, int j) {
+  switch (layout) {
+    case Layout::Paired512: return (g / 2) * 64 + (j / 16) * 32 + (g % 2) * 16 + j % 16;
+    case Layout::NibbleWords: return (g / 2) * 64 + ((j >= 16) + 2 * (j % 2)) * 16 + (g % 2) * 8 + (j % 16) / 2;
+    default: return g * kGroup + j;
+  }
+}
+
+QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K, Layout layout) {
   const int64_t groups = K / kGroup, pairs = (groups + 1) / 2;
-  const int64_t ldq = kPaired ? pairs * 2 * kGroup : K, ldd = kPaired ? pairs * 16 : groups;
+  const int repeat = layout == Layout::Paired512 ? 8 : layout == Layout::NibbleWords ? 4 : 1;
+  const int64_t ldq = layout == Layout::Plain ? K : pairs * 2 * kGroup, ldd = repeat == 1 ? groups : pairs * 2 * repeat;
   QuantizedRows out{std::vector<int16_t>(M * ldq), std::vector<float>(M * ldd), std::vector<float>(M * groups), ldq,
                     ldd};
   at::parallel_for(0, M * groups, 64, [&](int64_t begin, int64_t end) {
@@ -93,15 +118,8 @@ QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K) {
       }
       const float scale = amax > 0.0f ? amax / 32767.0f : 1.0f, inverse = 1.0f / scale;
       int16_t* q = out.q.data() + m * ldq;
-      for (int j = 0; j < kGroup; ++j) {
-        const int64_t at = kPaired ? (g / 2) * 64 + (j / 16) * 32 + (g % 2) * 16 + j % 16 : g * kGroup + j;
-        q[at] = static_cast<int16_t>(std::lrintf(v[j] * inverse));
-      }
-      if (kPaired) {
-        std::fill_n(out.scale.data() + m * ldd + g * 8, 8, scale);
-      } else {
-        out.scale[m * ldd + g] = scale;
-      }
+      for (int j = 0; j < kGroup; ++j) q[position(layout, g, j)] = static_cast<int16_t>(std::lrintf(v[j] * inverse));
+      std::fill_n(out.scale.data() + m * ldd + g * repeat, repeat, scale);
       out.sum[i] = sum;
     }
   });
@@ -194,69 +212,125 @@ void dot_tile(const int16_t* xq, int64_t ldq, const float* xs, const float* xd, 
   }
 }
 #else
-// R rows of x (quantized) against W consecutive weight rows: y[r * ldy + w]. Each row's activations are loaded once
-// per group for all W weight rows.
-template <int Bits, int R, int W, typename T>
-void dot_tile(const int16_t* xq, int64_t ldq, const float* xs, const float* xd, int64_t ldd, int64_t K,
-              const uint8_t* q, int64_t ldw, const float* scale, const float* minimum, T* y, int64_t ldy) {
-  const int64_t groups = K / kGroup;
-#if defined(GROUP_GEMM_AVX2)
-  // two chains per sum, alternating groups, where there are fewer than 4 sums: one would wait on the FMA's latency
-  constexpr int Chains = R * W >= 4 ? 1 : 2;
+#ifdef GROUP_GEMM_AVX2
+// The sums of R rows against W weight rows, one 8-lane chain each (two, alternating, where there are fewer than 4),
+// reduced into y[r * ldy + w] with the minimum's term.
+template <int R, int W, int Chains>
+struct Sums {
   __m256 acc[R][W][Chains];
-  for (int r = 0; r < R; ++r)
-    for (int w = 0; w < W; ++w)
-      for (int c = 0; c < Chains; ++c) acc[r][w][c] = _mm256_setzero_ps();
-  auto group = [&](int64_t g, auto chain) {  // the chain a compile-time index, so the sums stay in registers
-    constexpr int c = decltype(chain)::value % Chains;
-    __m256i x0[R], x1[R];
-    __m256 xdr[R];
+  Sums() {
+    for (int r = 0; r < R; ++r)
+      for (int w = 0; w < W; ++w)
+        for (int c = 0; c < Chains; ++c) acc[r][w][c] = _mm256_setzero_ps();
+  }
+  template <typename T>
+  void store(int64_t groups, const float* xs, const float* minimum, T* y, int64_t ldy) const {
     for (int r = 0; r < R; ++r) {
-      const int16_t* xr = xq + r * ldq + g * kGroup;
-      x0[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr));
-      x1[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + 16));
-      xdr[r] = _mm256_broadcast_ss(xd + r * ldd + g);
-    }
-    for (int w = 0; w < W; ++w) {
-      __m256i w0, w1;  // the group's values 0..15 and 16..31 as int16
-      if constexpr (Bits == 4) {
-        const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + w * ldw + g * 16));
-        const __m128i mask = _mm_set1_epi8(0x0F);
-        w0 = _mm256_cvtepu8_epi16(_mm_and_si128(packed, mask));
-        w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(packed, 4), mask));
-      } else {
-        w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + w * ldw + g * 32)));
-        w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + w * ldw + g * 32 + 16)));
+      for (int w = 0; w < W; ++w) {
+        __m256 total = acc[r][w][0];
+        if constexpr (Chains == 2) total = _mm256_add_ps(total, acc[r][w][1]);
+        float tail = 0.0f;
+        if (minimum) {  // sum over groups of minimum * (the group's sum of x)
+          const float* mw = minimum + w * groups;
+          const float* xsr = xs + r * groups;
+          int64_t j = 0;
+          for (; j + 8 <= groups; j += 8)
+            total = _mm256_fmadd_ps(_mm256_loadu_ps(mw + j), _mm256_loadu_ps(xsr + j), total);
+          for (; j < groups; ++j) tail += mw[j] * xsr[j];
+        }
+        y[r * ldy + w] = static_cast<T>(hsum(total) + tail);
       }
+    }
+  }
+};
+
+// 4 bits: R rows of x (NibbleWords layout) against W consecutive weight rows, a pair of groups per pass.
+template <int R, int W, typename T>
+void nibble_tile(const int16_t* xq, int64_t ldq, const float* xs, const float* xd, int64_t ldd, int64_t K,
+                 const uint8_t* q, int64_t ldw, const float* scale, const float* minimum, T* y, int64_t ldy) {
+  const int64_t groups = K / kGroup;
+  constexpr int Chains = R * W >= 4 ? 1 : 2;
+  Sums<R, W, Chains> sums;
+  const __m256i nibble = _mm256_set1_epi16(0x000F);
+  const __m256i halves = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+  auto pass = [&](int64_t p, auto chain, auto both) {  // compile-time chain, so the sums stay in registers
+    constexpr int c = decltype(chain)::value % Chains;
+    constexpr bool Both = decltype(both)::value;
+    for (int w = 0; w < W; ++w) {
+      const uint8_t* qp = q + w * ldw + p * 32;
+      const __m256i words = Both ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qp))
+                                 : _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qp)));
+      const __m256i v0 = _mm256_and_si256(words, nibble), v1 = _mm256_and_si256(_mm256_srli_epi16(words, 4), nibble);
+      const __m256i v2 = _mm256_and_si256(_mm256_srli_epi16(words, 8), nibble), v3 = _mm256_srli_epi16(words, 12);
+      const float* sw = scale + w * groups + 2 * p;
+      const __m256 d = Both ? _mm256_permutevar8x32_ps(
+                                  _mm256_castpd_ps(_mm256_broadcast_sd(reinterpret_cast<const double*>(sw))), halves)
+                            : _mm256_broadcast_ss(sw);
+      for (int r = 0; r < R; ++r) {
+        const __m256i* xr = reinterpret_cast<const __m256i*>(xq + r * ldq + p * 64);
+        const __m256i sum = _mm256_add_epi32(
+            _mm256_add_epi32(_mm256_madd_epi16(v0, _mm256_loadu_si256(xr)), _mm256_madd_epi16(v1, _mm256_loadu_si256(xr + 1))),
+            _mm256_add_epi32(_mm256_madd_epi16(v2, _mm256_loadu_si256(xr + 2)), _mm256_madd_epi16(v3, _mm256_loadu_si256(xr + 3))));
+        const __m256 xdr = _mm256_loadu_ps(xd + r * ldd + p * 8);
+        sums.acc[r][w][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(d, xdr), sums.acc[r][w][c]);
+      }
+    }
+  };
+  const int64_t pairs = groups / 2;
+  int64_t p = 0;
+  for (; p + 2 <= pairs; p += 2) {
+    pass(p, std::integral_constant<int, 0>{}, std::true_type{});
+    pass(p + 1, std::integral_constant<int, 1>{}, std::true_type{});
+  }
+  if (p < pairs) pass(p++, std::integral_constant<int, 0>{}, std::true_type{});
+  if (groups % 2) pass(p, std::integral_constant<int, 1>{}, std::false_type{});
+  sums.store(groups, xs, minimum, y, ldy);
+}
+
+// 8 bits: R rows of x (plain layout) against W consecutive weight rows, a group per pass.
+template <int R, int W, typename T>
+void byte_tile(const int16_t* xq, int64_t ldq, const float* xs, const float* xd, int64_t ldd, int64_t K,
+               const uint8_t* q, int64_t ldw, const float* scale, const float* minimum, T* y, int64_t ldy) {
+  const int64_t groups = K / kGroup;
+  constexpr int Chains = R * W >= 4 ? 1 : 2;
+  Sums<R, W, Chains> sums;
+  auto pass = [&](int64_t g, auto chain) {
+    constexpr int c = decltype(chain)::value % Chains;
+    for (int w = 0; w < W; ++w) {
+      const __m128i* qg = reinterpret_cast<const __m128i*>(q + w * ldw + g * 32);
+      const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(qg)), w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(qg + 1));
       const __m256 d = _mm256_broadcast_ss(scale + w * groups + g);
       for (int r = 0; r < R; ++r) {
-        const __m256i sum = _mm256_add_epi32(_mm256_madd_epi16(w0, x0[r]), _mm256_madd_epi16(w1, x1[r]));
-        acc[r][w][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(d, xdr[r]), acc[r][w][c]);
+        const __m256i* xr = reinterpret_cast<const __m256i*>(xq + r * ldq + g * kGroup);
+        const __m256i sum = _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256(xr)),
+                                             _mm256_madd_epi16(w1, _mm256_loadu_si256(xr + 1)));
+        const __m256 xdr = _mm256_broadcast_ss(xd + r * ldd + g);
+        sums.acc[r][w][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(d, xdr), sums.acc[r][w][c]);
       }
     }
   };
   int64_t g = 0;
   for (; g + 2 <= groups; g += 2) {
-    group(g, std::integral_constant<int, 0>{});
-    group(g + 1, std::integral_constant<int, 1>{});
+    pass(g, std::integral_constant<int, 0>{});
+    pass(g + 1, std::integral_constant<int, 1>{});
   }
-  if (g < groups) group(g, std::integral_constant<int, 0>{});
-  for (int r = 0; r < R; ++r) {
-    for (int w = 0; w < W; ++w) {
-      __m256 total = acc[r][w][0];
-      if constexpr (Chains == 2) total = _mm256_add_ps(total, acc[r][w][1]);
-      float tail = 0.0f;
-      if (minimum) {  // sum over groups of minimum * (the group's sum of x)
-        const float* mw = minimum + w * groups;
-        const float* xsr = xs + r * groups;
-        int64_t j = 0;
-        for (; j + 8 <= groups; j += 8) total = _mm256_fmadd_ps(_mm256_loadu_ps(mw + j), _mm256_loadu_ps(xsr + j), total);
-        for (; j < groups; ++j) tail += mw[j] * xsr[j];
-      }
-      y[r * ldy + w] = static_cast<T>(hsum(total) + tail);
-    }
+  if (g < groups) pass(g, std::integral_constant<int, 0>{});
+  sums.store(groups, xs, minimum, y, ldy);
+}
+#endif
+
+// R rows of x (quantized) against W consecutive weight rows: y[r * ldy + w].
+template <int Bits, int R, int W, typename T>
+void dot_tile(const int16_t* xq, int64_t ldq, const float* xs, const float* xd, int64_t ldd, int64_t K,
+              const uint8_t* q, int64_t ldw, const float* scale, const float* minimum, T* y, int64_t ldy) {
+#if defined(GROUP_GEMM_AVX2)
+  if constexpr (Bits == 4) {
+    nibble_tile<R, W, T>(xq, ldq, xs, xd, ldd, K, q, ldw, scale, minimum, y, ldy);
+  } else {
+    byte_tile<R, W, T>(xq, ldq, xs, xd, ldd, K, q, ldw, scale, minimum, y, ldy);
   }
 #else
+  const int64_t groups = K / kGroup;
   for (int r = 0; r < R; ++r) {
     for (int w = 0; w < W; ++w) {
       const uint8_t* qw = q + w * ldw;
@@ -504,7 +578,7 @@ at::Tensor group_linear(const at::Tensor& x, const at::Tensor& q, const at::Tens
   }
   // few rows: widened to float (exact from bfloat16), quantized per group, summed in float32
   const at::Tensor x32 = bf16 ? xc.to(at::kFloat) : xc;
-  const QuantizedRows rows = quantize_rows(x32.data_ptr<float>(), M, K);
+  const QuantizedRows rows = quantize_rows(x32.data_ptr<float>(), M, K, layout_for(bits));
   const float* sp = sc.data_ptr<float>();
   if (bf16) {
     if (bits == 4) gemm<4>(rows, M, qp, sp, mn, N, K, y.data_ptr<at::BFloat16>());
