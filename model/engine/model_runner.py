@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from config import Settings
+from model.arena import pack_weights
 from model.batch import Batch
 from model.config import ModelConfig
 from model.decoder import Decoder
@@ -129,6 +130,8 @@ def build_decoder(
         quantize(decoder, quantization)
     elif prepack_weights and onednn_usable(device, dtype):
         pack_linears(decoder, keep_weights)  # the linears still dense
+    if device.type == "cpu":
+        pack_weights(decoder)
     return decoder.eval()
 
 
