@@ -9,9 +9,10 @@
 // ones fall to a scalar loop 20-100x slower.
 //
 // Two paths. Up to kFusedRows rows (decode; 32 with AVX2, 16 with AVX512-VNNI, 12 in portable C++): activations
-// are quantized to int16 per group (below) and each weight group, as int16 once (widened, or with AVX2 its 4-bit
-// nibbles masked in place), is multiplied into every row with madd (vpdpwssd with AVX512-VNNI), so a step reads the 4-bit bytes once. More rows (batched decode,
-// prefill): tiles of weight rows are dequantized into a cache-sized buffer and multiplied by torch's GEMM.
+// are quantized to int16 per group (below) and each weight group, made int16 once (widened, or with AVX2 its 4-bit
+// nibbles masked in place), is multiplied into every row with madd (vpdpwssd with AVX512-VNNI), so a step reads the
+// 4-bit bytes once. More rows (batched decode, prefill): tiles of weight rows are dequantized into a cache-sized
+// buffer and multiplied by torch's GEMM.
 //
 // Layouts: 4 bits: uint8 [N, K / 2], ggml's block layout (byte j of a group holds value j in its low nibble and
 // value j + 16 in its high one). 8 bits: int8 [N, K]. scale, minimum: float32 [N, K / 32].
@@ -50,9 +51,9 @@ constexpr int64_t kGroup = 32;
 // zeros.
 // - Paired512 (AVX512): [g 0..15, g+1 0..15, g 16..31, g+1 16..31], the order 32 bytes widen to; scales 8 times.
 // - NibbleWords (AVX2, 4 bits): the 32 packed bytes of the pair read as 16-bit words, word i holding bytes 2i and
-//   2i + 1, so that masking each word's four nibbles in place gives four vectors with no widening (a lane-crossing
-//   shuffle each, two per group, where the madds are the work): [value 2i], [2i + 16], [2i + 1], [2i + 17] for
-//   i = 0..7, group g in the low 8 lanes of each and g + 1 in the high 8; scales 4 times.
+//   2i + 1, so that masking each word's four nibbles in place gives four int16 vectors without the two lane-crossing
+//   widenings per group of the plain layout: [value 2i], [2i + 16], [2i + 1], [2i + 17] for i = 0..7, group g in
+//   the low 8 lanes of each and g + 1 in the high 8; scales 4 times.
 struct QuantizedRows {
   std::vector<int16_t> q;  // [M, ldq]
   std::vector<float> scale;  // [M, ldd]
@@ -268,9 +269,11 @@ void nibble_tile(const int16_t* xq, int64_t ldq, const float* xs, const float* x
                             : _mm256_broadcast_ss(sw);
       for (int r = 0; r < R; ++r) {
         const __m256i* xr = reinterpret_cast<const __m256i*>(xq + r * ldq + p * 64);
-        const __m256i sum = _mm256_add_epi32(
-            _mm256_add_epi32(_mm256_madd_epi16(v0, _mm256_loadu_si256(xr)), _mm256_madd_epi16(v1, _mm256_loadu_si256(xr + 1))),
-            _mm256_add_epi32(_mm256_madd_epi16(v2, _mm256_loadu_si256(xr + 2)), _mm256_madd_epi16(v3, _mm256_loadu_si256(xr + 3))));
+        const __m256i low = _mm256_add_epi32(_mm256_madd_epi16(v0, _mm256_loadu_si256(xr)),
+                                             _mm256_madd_epi16(v1, _mm256_loadu_si256(xr + 1)));
+        const __m256i high = _mm256_add_epi32(_mm256_madd_epi16(v2, _mm256_loadu_si256(xr + 2)),
+                                              _mm256_madd_epi16(v3, _mm256_loadu_si256(xr + 3)));
+        const __m256i sum = _mm256_add_epi32(low, high);
         const __m256 xdr = _mm256_loadu_ps(xd + r * ldd + p * 8);
         sums.acc[r][w][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(d, xdr), sums.acc[r][w][c]);
       }
