@@ -29,6 +29,7 @@
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
+#include <cpuid.h>
 #include <immintrin.h>
 #define GROUP_GEMM_AVX2 1
 #endif
@@ -46,15 +47,19 @@ constexpr int64_t kGroup = 32;
 // 1.5e-5 of that magnitude, between float16's and float32's), so that one madd multiplies 16 weights: about a third
 // of the instructions of dequantizing to float. Their float sums are kept for the minimum's term.
 //
-// Two layouts pair groups, so that one pass takes two groups (g, g + 1) of 64 values in the order the weights unpack
-// to, and each group's scale is repeated over the int32 lanes its sums land in; an odd last group is paired with
-// zeros.
+// The other layouts take two groups (g, g + 1) or four per pass, in the order the weights unpack to, each group's
+// scale repeated over the int32 lanes its sums land in; a row is padded with zeros to whole passes.
 // - Paired512 (AVX512): [g 0..15, g+1 0..15, g 16..31, g+1 16..31], the order 32 bytes widen to; scales 8 times.
 // - NibbleWords (AVX2, 4 bits): the 32 packed bytes of the pair read as 16-bit words, word i holding bytes 2i and
 //   2i + 1, so that masking each word's four nibbles in place gives four int16 vectors without the two lane-crossing
 //   widenings per group of the plain layout: [value 2i], [2i + 16], [2i + 1], [2i + 17] for i = 0..7, group g in
 //   the low 8 lanes of each and g + 1 in the high 8; scales 4 times.
+// - NibbleQuads (AVX512, 4 bits): the same for four groups (g .. g + 3) and their 64 packed bytes, group g + i in
+//   lanes 8i .. 8i + 7 of each of the four vectors; scales 4 times.
+enum class Layout { Plain, Paired512, NibbleWords, NibbleQuads };
+
 struct QuantizedRows {
+  Layout layout;
   std::vector<int16_t> q;  // [M, ldq]
   std::vector<float> scale;  // [M, ldd]
   std::vector<float> sum;    // [M, K / 32]
@@ -75,17 +80,31 @@ constexpr int64_t kFusedRows = 12;  // the portable loops: torch's GEMM takes ov
 constexpr int64_t kRowsPerPass = 4;
 #endif
 constexpr int64_t kBlock = 16;  // weight rows per block
+// Whether more than kFusedRows float32 rows multiply in bfloat16: where the CPU's bfloat16 GEMM beats float32's.
+// On AMD's AVX512-BF16 (Zen 4, Zen 5) oneDNN's bfloat16 GEMM ran prompts at twice float32's speed; on an Intel Xeon
+// with AVX512-BF16 but no AMX it ran 256 x 576 x 3072 in 5.9 ms against MKL's 3.75 ms in float32 (one vdpbf16ps
+// port against two FMA ones), so there prompts stay float32 unless AMX's tiles are there.
+bool bfloat16_prompts() {
 #ifdef __AVX512BF16__
-constexpr bool kBfloat16Prompts = true;  // more than kFusedRows float32 rows multiply in bfloat16
+  static const bool faster = [] {
+    __builtin_cpu_init();
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    const bool amx_bf16 = __get_cpuid_count(7, 0, &a, &b, &c, &d) && ((d >> 22) & 1);
+    return __builtin_cpu_is("amd") || amx_bf16;
+  }();
+  return faster;
 #else
-constexpr bool kBfloat16Prompts = false;
+  return false;
 #endif
+}
 
-enum class Layout { Plain, Paired512, NibbleWords };
+// AVX512, 4 bits: quads from kQuadRows rows, where the conversions they save per row outweigh their extra work per
+// weight row (at one or two rows, pairs ran 10-15 % faster, in cache; from 8 rows quads 5-15 %; Xeon with VNNI)
+constexpr int64_t kQuadRows = 3;
 
-Layout layout_for(int bits) {
+Layout layout_for(int bits, int64_t rows) {
 #ifdef GROUP_GEMM_AVX512
-  return Layout::Paired512;
+  return bits == 4 && rows >= kQuadRows ? Layout::NibbleQuads : Layout::Paired512;
 #elif defined(GROUP_GEMM_AVX2)
   return bits == 4 ? Layout::NibbleWords : Layout::Plain;
 #else
@@ -98,15 +117,18 @@ inline int64_t position(Layout layout, int64_t g, int j) {
   switch (layout) {
     case Layout::Paired512: return (g / 2) * 64 + (j / 16) * 32 + (g % 2) * 16 + j % 16;
     case Layout::NibbleWords: return (g / 2) * 64 + ((j >= 16) + 2 * (j % 2)) * 16 + (g % 2) * 8 + (j % 16) / 2;
+    case Layout::NibbleQuads: return (g / 4) * 128 + ((j >= 16) + 2 * (j % 2)) * 32 + (g % 4) * 8 + (j % 16) / 2;
     default: return g * kGroup + j;
   }
 }
 
 QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K, Layout layout) {
-  const int64_t groups = K / kGroup, pairs = (groups + 1) / 2;
-  const int repeat = layout == Layout::Paired512 ? 8 : layout == Layout::NibbleWords ? 4 : 1;
-  const int64_t ldq = layout == Layout::Plain ? K : pairs * 2 * kGroup, ldd = repeat == 1 ? groups : pairs * 2 * repeat;
-  QuantizedRows out{std::vector<int16_t>(M * ldq), std::vector<float>(M * ldd), std::vector<float>(M * groups), ldq,
+  const int64_t groups = K / kGroup;
+  // groups per pass (padded with zeros to whole passes), and int32 lanes per group (its scale repeated as often)
+  const int span = layout == Layout::Plain ? 1 : layout == Layout::NibbleQuads ? 4 : 2;
+  const int repeat = layout == Layout::Plain ? 1 : layout == Layout::Paired512 ? 8 : 4;
+  const int64_t padded = (groups + span - 1) / span * span, ldq = padded * kGroup, ldd = padded * repeat;
+  QuantizedRows out{layout, std::vector<int16_t>(M * ldq), std::vector<float>(M * ldd), std::vector<float>(M * groups), ldq,
                     ldd};
   at::parallel_for(0, M * groups, 64, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
@@ -139,9 +161,9 @@ inline float hsum(__m256 v) {
 constexpr int64_t group_bytes(int bits) { return bits == 4 ? kGroup / 2 : kGroup; }
 
 #ifdef GROUP_GEMM_AVX512
-// One pair of groups (g, g + 1) of a weight row as int16, in the paired order of the activations (see QuantizedRows),
-// and its scales, each repeated over the 8 int32 lanes its sums land in. Without Both, g is the last (odd) group and
-// g + 1 reads as zeros.
+// One pair of groups (g, g + 1) of a weight row as int16, in the paired order of the activations (see
+// QuantizedRows), and its scales, each repeated over the 8 int32 lanes its sums land in. Without Both, g is the last
+// (odd) group and g + 1 reads as zeros.
 template <int Bits, bool Both>
 inline void load_pair(const uint8_t* q, const float* scale, int64_t g, __m512i& wa, __m512i& wb, __m512& d) {
   if constexpr (Bits == 4) {
@@ -168,16 +190,84 @@ inline void load_pair(const uint8_t* q, const float* scale, int64_t g, __m512i& 
   d = _mm512_permutexvar_ps(halves, _mm512_castps128_ps512(two));
 }
 
-// R rows of x (quantized) against W consecutive weight rows: y[r * ldy + w]. The R x W sums are independent FMA
-// chains held in registers (few rows take several weight rows, so that one row still has chains enough to cover
-// the FMA's latency and reads its activations once for all of them).
-template <int Bits, int R, int W, typename T>
-void dot_tile(const int16_t* xq, int64_t ldq, const float* xs, const float* xd, int64_t ldd, int64_t K,
-              const uint8_t* q, int64_t ldw, const float* scale, const float* minimum, T* y, int64_t ldy) {
-  const int64_t groups = K / kGroup;
+// The sums of R rows against W weight rows, one 16-lane chain each, reduced into y[r * ldy + w] with the minimum's
+// term.
+template <int R, int W>
+struct Sums {
   __m512 acc[R][W];
-  for (int r = 0; r < R; ++r)
-    for (int w = 0; w < W; ++w) acc[r][w] = _mm512_setzero_ps();
+  Sums() {
+    for (int r = 0; r < R; ++r)
+      for (int w = 0; w < W; ++w) acc[r][w] = _mm512_setzero_ps();
+  }
+  template <typename T>
+  void store(int64_t groups, const float* xs, const float* minimum, T* y, int64_t ldy) const {
+    for (int r = 0; r < R; ++r) {
+      for (int w = 0; w < W; ++w) {
+        __m512 total = acc[r][w];
+        float tail = 0.0f;
+        if (minimum) {  // sum over groups of minimum * (the group's sum of x)
+          const float* mw = minimum + w * groups;
+          const float* xsr = xs + r * groups;
+          int64_t g = 0;
+          for (; g + 16 <= groups; g += 16)
+            total = _mm512_fmadd_ps(_mm512_loadu_ps(mw + g), _mm512_loadu_ps(xsr + g), total);
+          for (; g < groups; ++g) tail += mw[g] * xsr[g];
+        }
+        y[r * ldy + w] = static_cast<T>(_mm512_reduce_add_ps(total) + tail);
+      }
+    }
+  }
+};
+
+// 4 bits: R rows of x (NibbleQuads layout) against W consecutive weight rows, four groups per pass: their 64 packed
+// bytes read as 32 words and each word's four nibbles masked in place (no widening shuffle), so that one int32
+// conversion, one multiply of scales and one FMA per row cover four groups rather than two.
+template <int R, int W, typename T>
+void nibble_tile(const int16_t* xq, int64_t ldq, const float* xs, const float* xd, int64_t ldd, int64_t K,
+                 const uint8_t* q, int64_t ldw, const float* scale, const float* minimum, T* y, int64_t ldy) {
+  const int64_t groups = K / kGroup;
+  Sums<R, W> sums;
+  const __m512i nibble = _mm512_set1_epi16(0x000F);
+  const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+  auto pass = [&](int64_t u, int64_t count) {  // groups 4u .. 4u + count - 1; a short last pass reads zeros
+    __m512i v0[W], v1[W], v2[W], v3[W];
+    __m512 d[W];
+    for (int w = 0; w < W; ++w) {
+      const uint8_t* qu = q + w * ldw + u * 64;
+      const float* su = scale + w * groups + u * 4;
+      const __m512i words = count == 4 ? _mm512_loadu_si512(qu)
+                                       : _mm512_maskz_loadu_epi8((__mmask64{1} << (count * 16)) - 1, qu);
+      const __m128 four = count == 4 ? _mm_loadu_ps(su) : _mm_maskz_loadu_ps((1 << count) - 1, su);
+      v0[w] = _mm512_and_si512(words, nibble);
+      v1[w] = _mm512_and_si512(_mm512_srli_epi16(words, 4), nibble);
+      v2[w] = _mm512_and_si512(_mm512_srli_epi16(words, 8), nibble);
+      v3[w] = _mm512_srli_epi16(words, 12);
+      d[w] = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(four));
+    }
+    for (int r = 0; r < R; ++r) {
+      const int16_t* xr = xq + r * ldq + u * 128;
+      const __m512i x0 = _mm512_loadu_si512(xr), x1 = _mm512_loadu_si512(xr + 32);
+      const __m512i x2 = _mm512_loadu_si512(xr + 64), x3 = _mm512_loadu_si512(xr + 96);
+      const __m512 xdr = _mm512_loadu_ps(xd + r * ldd + u * 16);
+      for (int w = 0; w < W; ++w) {
+        const __m512i low = _mm512_dpwssd_epi32(_mm512_madd_epi16(v0[w], x0), v1[w], x1);
+        const __m512i sum = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(low, v2[w], x2), v3[w], x3);
+        sums.acc[r][w] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(d[w], xdr), sums.acc[r][w]);
+      }
+    }
+  };
+  int64_t u = 0;
+  for (; 4 * u + 4 <= groups; ++u) pass(u, 4);
+  if (4 * u < groups) pass(u, groups - 4 * u);
+  sums.store(groups, xs, minimum, y, ldy);
+}
+
+// R rows of x (Paired512 layout) against W consecutive weight rows, a pair of groups per pass.
+template <int Bits, int R, int W, typename T>
+void pair_tile(const int16_t* xq, int64_t ldq, const float* xs, const float* xd, int64_t ldd, int64_t K,
+               const uint8_t* q, int64_t ldw, const float* scale, const float* minimum, T* y, int64_t ldy) {
+  const int64_t groups = K / kGroup;
+  Sums<R, W> sums;
   auto pass = [&](int64_t p, auto both) {
     __m512i wa[W], wb[W];
     __m512 d[W];
@@ -189,31 +279,16 @@ void dot_tile(const int16_t* xq, int64_t ldq, const float* xs, const float* xd, 
       const __m512 xdr = _mm512_loadu_ps(xd + r * ldd + p * 16);
       for (int w = 0; w < W; ++w) {
         const __m512i sum = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(_mm512_setzero_si512(), wa[w], xa), wb[w], xb);
-        acc[r][w] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(d[w], xdr), acc[r][w]);
+        sums.acc[r][w] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(d[w], xdr), sums.acc[r][w]);
       }
     }
   };
   int64_t p = 0;
   for (; p < groups / 2; ++p) pass(p, std::true_type{});
   if (groups % 2) pass(p, std::false_type{});
-  for (int r = 0; r < R; ++r) {
-    for (int w = 0; w < W; ++w) {
-      __m512 total = acc[r][w];
-      float tail = 0.0f;
-      if (minimum) {  // sum over groups of minimum * (the group's sum of x)
-        const float* mw = minimum + w * groups;
-        const float* xsr = xs + r * groups;
-        int64_t g = 0;
-        for (; g + 16 <= groups; g += 16)
-          total = _mm512_fmadd_ps(_mm512_loadu_ps(mw + g), _mm512_loadu_ps(xsr + g), total);
-        for (; g < groups; ++g) tail += mw[g] * xsr[g];
-      }
-      y[r * ldy + w] = static_cast<T>(_mm512_reduce_add_ps(total) + tail);
-    }
-  }
+  sums.store(groups, xs, minimum, y, ldy);
 }
-#else
-#ifdef GROUP_GEMM_AVX2
+#elif defined(GROUP_GEMM_AVX2)
 // The sums of R rows against W weight rows, one 8-lane chain each (two, alternating, where there are fewer than 4),
 // reduced into y[r * ldy + w] with the minimum's term.
 template <int R, int W, int Chains>
@@ -324,9 +399,15 @@ void byte_tile(const int16_t* xq, int64_t ldq, const float* xs, const float* xd,
 
 // R rows of x (quantized) against W consecutive weight rows: y[r * ldy + w].
 template <int Bits, int R, int W, typename T>
-void dot_tile(const int16_t* xq, int64_t ldq, const float* xs, const float* xd, int64_t ldd, int64_t K,
+void dot_tile(Layout layout, const int16_t* xq, int64_t ldq, const float* xs, const float* xd, int64_t ldd, int64_t K,
               const uint8_t* q, int64_t ldw, const float* scale, const float* minimum, T* y, int64_t ldy) {
-#if defined(GROUP_GEMM_AVX2)
+#if defined(GROUP_GEMM_AVX512)
+  if (Bits == 4 && layout == Layout::NibbleQuads) {
+    nibble_tile<R, W, T>(xq, ldq, xs, xd, ldd, K, q, ldw, scale, minimum, y, ldy);
+  } else {
+    pair_tile<Bits, R, W, T>(xq, ldq, xs, xd, ldd, K, q, ldw, scale, minimum, y, ldy);
+  }
+#elif defined(GROUP_GEMM_AVX2)
   if constexpr (Bits == 4) {
     nibble_tile<R, W, T>(xq, ldq, xs, xd, ldd, K, q, ldw, scale, minimum, y, ldy);
   } else {
@@ -358,7 +439,6 @@ void dot_tile(const int16_t* xq, int64_t ldq, const float* xs, const float* xd, 
   }
 #endif
 }
-#endif  // GROUP_GEMM_AVX512
 
 #ifdef GROUP_GEMM_AVX512
 // Weight rows per dot_tile: 4-8 chains, in 32 registers. One weight row at a time for 8 bits: two or four rows of
@@ -382,7 +462,7 @@ void rows_pass(const QuantizedRows& x, int64_t m, const uint8_t* q, const float*
   const float* xs = x.sum.data() + m * groups;
   const float* xd = x.scale.data() + m * x.ldd;
   auto tile = [&](int64_t n, auto width) {
-    dot_tile<Bits, R, decltype(width)::value, T>(xq, x.ldq, xs, xd, x.ldd, K, q + n * row_bytes, row_bytes,
+    dot_tile<Bits, R, decltype(width)::value, T>(x.layout, xq, x.ldq, xs, xd, x.ldd, K, q + n * row_bytes, row_bytes,
                                                  scale + n * groups, minimum ? minimum + n * groups : nullptr,
                                                  y + m * N + n, N);
   };
@@ -567,7 +647,7 @@ at::Tensor group_linear(const at::Tensor& x, const at::Tensor& q, const at::Tens
   if (M > kFusedRows) {
     // float32 rows too are multiplied in bfloat16 where the CPU does that natively (prompts: twice the speed); the
     // few-row path, which every decode step takes, keeps float32 activations
-    if (bf16 || kBfloat16Prompts) {
+    if (bf16 || bfloat16_prompts()) {
       const at::Tensor xb = xc.to(at::kBFloat16);  // no copy when x is bfloat16 already
       at::Tensor yb = bf16 ? y : at::empty({M, N}, x.options().dtype(at::kBFloat16));
       if (bits == 4) gemm_tiled<4, at::BFloat16>(xb, qp, sc.data_ptr<float>(), mn, N, yb);
@@ -581,7 +661,7 @@ at::Tensor group_linear(const at::Tensor& x, const at::Tensor& q, const at::Tens
   }
   // few rows: widened to float (exact from bfloat16), quantized per group, summed in float32
   const at::Tensor x32 = bf16 ? xc.to(at::kFloat) : xc;
-  const QuantizedRows rows = quantize_rows(x32.data_ptr<float>(), M, K, layout_for(bits));
+  const QuantizedRows rows = quantize_rows(x32.data_ptr<float>(), M, K, layout_for(bits, M));
   const float* sp = sc.data_ptr<float>();
   if (bf16) {
     if (bits == 4) gemm<4>(rows, M, qp, sp, mn, N, K, y.data_ptr<at::BFloat16>());
@@ -594,8 +674,6 @@ at::Tensor group_linear(const at::Tensor& x, const at::Tensor& q, const at::Tens
 }
 
 int64_t fused_rows() { return kFusedRows; }
-
-bool bfloat16_prompts() { return kBfloat16Prompts; }
 
 }  // namespace
 
