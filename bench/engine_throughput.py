@@ -71,15 +71,26 @@ def prompt_ids(engine: Engine, index: int, target_tokens: int) -> list[int]:
 
 def add_requests(engine: Engine, first_index: int, n: int, prompt_tokens: int, gen_tokens: int) -> list[list[int]]:
     prompts = [prompt_ids(engine, first_index + i, prompt_tokens) for i in range(n)]
-    params = SamplingParams(temperature=0, max_tokens=gen_tokens, ignore_eos=True)
-    for i, ids in enumerate(prompts):
-        engine.add_request(f"bench-{first_index + i}", ids, params)
-    engine._drain_inbox(False)  # the step loop's own intake, without its worker thread
+    submit(engine, prompts, gen_tokens, f"bench-{first_index}")
     return prompts
 
 
+def submit(engine: Engine, prompts: list[list[int]], gen_tokens: int, tag: str) -> None:
+    params = SamplingParams(temperature=0, max_tokens=gen_tokens, ignore_eos=True)
+    for i, ids in enumerate(prompts):
+        engine.add_request(f"{tag}-{i}", ids, params)
+    engine._drain_inbox(False)  # the step loop's own intake, without its worker thread
+
+
 def run_level(engine: Engine, first_index: int, n: int, prompt_tokens: int, gen_tokens: int) -> LevelResult:
-    prompts = add_requests(engine, first_index, n, prompt_tokens, gen_tokens)
+    prompts = [prompt_ids(engine, first_index + i, prompt_tokens) for i in range(n)]
+    return run_prompts(engine, prompts, gen_tokens, f"bench-{first_index}")
+
+
+def run_prompts(engine: Engine, prompts: list[list[int]], gen_tokens: int, tag: str) -> LevelResult:
+    """Submit every prompt at once and step the engine until all are done."""
+    n = len(prompts)
+    submit(engine, prompts, gen_tokens, tag)
     started = time.perf_counter()
     first_token_seen: set[str] = set()
     prefill_done = 0.0
