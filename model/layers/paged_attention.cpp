@@ -161,9 +161,18 @@ void split_vector(const float* query, const T* kp, const T* vp, const int32_t* t
   using V = Vec::V;
   constexpr int64_t W = Vec::kWidth, D = W * C;
   const int64_t n = stop - first;
-  auto row_at = [&](const T* cache, int64_t t, int64_t kvh) {
-    return cache + (static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size) * row_stride +
-           kvh * D;
+  // each token's row offset, walked once through the block table: computed at every row read instead (a 64-bit
+  // division and remainder each, ~14 per token), one layer of 16 sequences x ~170 tokens took 131-163 us against
+  // 112-116 (Intel Xeon, float16 cache, hot, four alternating runs)
+  thread_local std::vector<int64_t> offsets;
+  offsets.resize(static_cast<size_t>(n));
+  for (int64_t t = first, block = first / block_size, slot = first % block_size; t < stop; ++t) {
+    offsets[t - first] = (static_cast<int64_t>(table[block]) * block_size + slot) * row_stride;
+    if (++slot == block_size) slot = 0, ++block;
+  }
+  const int64_t* offset = offsets.data();  // a plain pointer: the vector is thread_local, reached through TLS
+  auto row_at = [offset, first](const T* cache, int64_t t, int64_t kvh) {
+    return cache + offset[t - first] + kvh * D;
   };
   // the first pass over a sequence's rows reads them from memory, in blocks scattered over the pool: fetch whole
   // rows (all KV heads) a block ahead. Measured with the cache flushed (Zen 5, 16 x 220 tokens): 309-333 us
