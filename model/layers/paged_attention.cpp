@@ -107,6 +107,7 @@ struct Vec {
   using V = __m512;
   static constexpr int64_t kWidth = 16;
   static constexpr int kMaxChunks = 16;  // 32 registers: D up to 256
+  static constexpr int kRegisters = 32;
   static V load(const float* p) { return _mm512_loadu_ps(p); }
   static V load(const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
   static V load(const c10::BFloat16* p) {
@@ -128,6 +129,7 @@ struct Vec {
   using V = __m256;
   static constexpr int64_t kWidth = 8;
   static constexpr int kMaxChunks = 16;  // 16 registers: D up to 128
+  static constexpr int kRegisters = 16;
   static V load(const float* p) { return _mm256_loadu_ps(p); }
   static V load(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
   static V load(const c10::BFloat16* p) {
@@ -201,16 +203,36 @@ void split_vector(const float* query, const T* kp, const T* vp, const int32_t* t
     for (int64_t g = 0; g < group; ++g) {
       const int64_t h = kvh * group + g;
       softmax_terms(s + g * n, n, part.max[h], part.total[h]);
-      const float* p = s + g * n;
-      V o[C];
-      for (int c = 0; c < C; ++c) o[c] = Vec::zero();
+    }
+    // the values: G query heads of the group at a time, so that each value row is loaded (and converted from
+    // 16 bits) once for all of them, not once per head: 112-116 -> 102-104 us for the layer above
+    auto values = [&](int64_t g0, auto heads) {
+      constexpr int G = decltype(heads)::value;
+      V o[G][C];
+      for (int j = 0; j < G; ++j)
+        for (int c = 0; c < C; ++c) o[j][c] = Vec::zero();
+      const float* p = s + g0 * n - first;
       for (int64_t t = first; t < stop; ++t) {
-        if (kvh == 0 && g == 0 && t + kAhead < stop) prefetch_row(vp, t + kAhead);
+        if (kvh == 0 && g0 == 0 && t + kAhead < stop) prefetch_row(vp, t + kAhead);
         const T* v = row_at(vp, t, kvh);
-        const V w = Vec::broadcast(p[t - first]);
-        for (int c = 0; c < C; ++c) o[c] = Vec::fmadd(w, Vec::load(v + W * c), o[c]);
+        V vc[C];
+        for (int c = 0; c < C; ++c) vc[c] = Vec::load(v + W * c);
+        for (int j = 0; j < G; ++j) {
+          const V w = Vec::broadcast(p[j * n + t]);
+          for (int c = 0; c < C; ++c) o[j][c] = Vec::fmadd(w, vc[c], o[j][c]);
+        }
       }
-      for (int c = 0; c < C; ++c) Vec::store(part.acc + h * D + W * c, o[c]);
+      for (int j = 0; j < G; ++j)
+        for (int c = 0; c < C; ++c) Vec::store(part.acc + (kvh * group + g0 + j) * D + W * c, o[j][c]);
+    };
+    constexpr int S = std::max(1, std::min(4, (Vec::kRegisters - 2) / C - 1));  // G x C sums, C values, a weight
+    int64_t g = 0;
+    for (; g + S <= group; g += S) values(g, std::integral_constant<int, S>{});
+    switch (group - g) {
+      case 3: if constexpr (S > 3) values(g, std::integral_constant<int, 3>{}); break;
+      case 2: if constexpr (S > 2) values(g, std::integral_constant<int, 2>{}); break;
+      case 1: if constexpr (S > 1) values(g, std::integral_constant<int, 1>{}); break;
+      default: break;
     }
   }
 }

@@ -70,6 +70,8 @@ def paged_inputs(
         ([129, 64], 4, 1, 128, 16, 7),  # MQA, a window shorter than a block
         ([500, 33], 6, 2, 64, 8, 100),  # a window over several splits
         (list(range(1, 60, 3)), 4, 2, 16, 16, None),  # more rows than threads
+        ([90, 13], 14, 2, 64, 16, None),  # groups of 7 query heads: the values for 4 heads at a time, then 3
+        ([40], 10, 2, 80, 16, None),  # groups of 5, head size 80: 4 heads, then 1
         ([77, 20], 4, 2, 36, 16, None),  # a head size with no vector kernel: the generic loop
     ],
 )
