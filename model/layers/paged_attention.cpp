@@ -211,14 +211,14 @@ void split_vector(const float* query, const T* kp, const T* vp, const int32_t* t
       V o[G][C];
       for (int j = 0; j < G; ++j)
         for (int c = 0; c < C; ++c) o[j][c] = Vec::zero();
-      const float* p = s + g0 * n - first;
+      const float* p = s + g0 * n;
       for (int64_t t = first; t < stop; ++t) {
         if (kvh == 0 && g0 == 0 && t + kAhead < stop) prefetch_row(vp, t + kAhead);
         const T* v = row_at(vp, t, kvh);
         V vc[C];
         for (int c = 0; c < C; ++c) vc[c] = Vec::load(v + W * c);
         for (int j = 0; j < G; ++j) {
-          const V w = Vec::broadcast(p[j * n + t]);
+          const V w = Vec::broadcast(p[j * n + (t - first)]);
           for (int c = 0; c < C; ++c) o[j][c] = Vec::fmadd(w, vc[c], o[j][c]);
         }
       }
