@@ -26,6 +26,7 @@ from serve_bench import chat_messages  # noqa: E402  (same prompt text as the HT
 from config.settings import Settings, load_settings  # noqa: E402
 from model.engine.engine import Engine  # noqa: E402
 from model.engine.sequence import SamplingParams  # noqa: E402
+from model.tokenizer import Tokenizer  # noqa: E402
 
 
 @dataclass(slots=True)
@@ -57,16 +58,23 @@ class LevelResult:
         return 1000 * (self.seconds - self.prefill_seconds) / max(self.decode_steps, 1)
 
 
-def prompt_ids(engine: Engine, index: int, target_tokens: int) -> list[int]:
-    """Chat-templated ids of request `index`, within a few tokens of target_tokens. Each index gets different
-    text, so no level reuses another's prefix from the cache."""
+def prompt_words(tokenizer: Tokenizer, index: int, target_tokens: int) -> int:
+    """How many words request `index`'s message takes to chat-template within a few tokens of target_tokens (the
+    last guess of eight where none comes that close). Each index gets different text, so no level reuses another's
+    prefix from the cache."""
     words = max(1, int(target_tokens * 0.6))  # a first guess; the loop corrects it on the real tokenizer
-    for _ in range(8):
-        ids = engine.tokenizer.apply_chat_template(chat_messages(index, words))
-        if abs(len(ids) - target_tokens) <= 1:
+    for attempt in range(8):
+        count = len(tokenizer.apply_chat_template(chat_messages(index, words)))
+        if abs(count - target_tokens) <= 1 or attempt == 7:
             break
-        words = max(1, words + round((target_tokens - len(ids)) / 1.3))  # ~1.3 tokens per word of this text
-    return ids
+        words = max(1, words + round((target_tokens - count) / 1.3))  # ~1.3 tokens per word of this text
+    return words
+
+
+def prompt_ids(engine: Engine, index: int, target_tokens: int) -> list[int]:
+    """Chat-templated ids of request `index`, within a few tokens of target_tokens."""
+    words = prompt_words(engine.tokenizer, index, target_tokens)
+    return engine.tokenizer.apply_chat_template(chat_messages(index, words))
 
 
 def add_requests(engine: Engine, first_index: int, n: int, prompt_tokens: int, gen_tokens: int) -> list[list[int]]:

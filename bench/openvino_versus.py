@@ -19,10 +19,14 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
+
+if TYPE_CHECKING:
+    from model.tokenizer import Tokenizer
 
 DEFAULT_GGUF = ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -95,23 +99,15 @@ def child_openvino(job: dict) -> dict:
             "levels": levels}  # fmt: skip
 
 
-def templated_texts(gguf: Path, first_index: int, n: int, prompt_tokens: int) -> list[str]:
+def templated_texts(tokenizer: "Tokenizer", first_index: int, n: int, prompt_tokens: int) -> list[str]:
+    """The chat-templated text of requests first_index.. (engine_throughput's prompts, as text)."""
+    from engine_throughput import prompt_words
     from serve_bench import chat_messages
 
-    from model.tokenizer import Tokenizer
-
-    tokenizer = Tokenizer.load(gguf, cache_dir=Path.home() / ".cache" / "llmserve")
     texts = []
     for index in range(first_index, first_index + n):
-        words = max(1, int(prompt_tokens * 0.6))
-        for _ in range(8):  # ~1.3 tokens per word of this text; corrected on the real tokenizer
-            text = tokenizer.hf.apply_chat_template(chat_messages(index, words), tokenize=False,
-                                                    add_generation_prompt=True)  # fmt: skip
-            count = len(tokenizer.encode(text, add_special_tokens=False))
-            if abs(count - prompt_tokens) <= 1:
-                break
-            words = max(1, words + round((prompt_tokens - count) / 1.3))
-        texts.append(text)
+        messages = chat_messages(index, prompt_words(tokenizer, index, prompt_tokens))
+        texts.append(tokenizer.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
     return texts
 
 
@@ -140,16 +136,19 @@ def main() -> None:
         print(json.dumps((child_llmserve if args.child == "llmserve" else child_openvino)(job)))
         return
 
+    from model.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.load(args.gguf, cache_dir=Path.home() / ".cache" / "llmserve")
     names = ["llmserve", "openvino"]
     rows: dict[str, list[dict]] = {name: [] for name in names}
     index = 0
     for round_number in range(args.rounds):
         levels = []
         for n in args.concurrency:
-            levels.append(templated_texts(args.gguf, index, n, args.prompt_tokens))
+            levels.append(templated_texts(tokenizer, index, n, args.prompt_tokens))
             index += n
         job = {"gguf": str(args.gguf), "gen_tokens": args.gen_tokens, "levels": levels,
-               "warmup": templated_texts(args.gguf, 10_000_000 + round_number, 1, 32)[0],
+               "warmup": templated_texts(tokenizer, 10_000_000 + round_number, 1, 32)[0],
                "llmserve_args": llmserve_args}  # fmt: skip
         for name in names if round_number % 2 == 0 else names[::-1]:
             rows[name].append(run_child(name, job))
