@@ -83,7 +83,7 @@ def random_weight(k: int, n: int, bits: int, g: torch.Generator) -> tuple[GroupQ
     """An [n, k] weight quantized to `bits`, and its q as the kernel takes it (4 bits: two per byte)."""
     dense = torch.randn(n, k, generator=g) * 0.05
     weight = GroupQuantized.int4_from_float(dense) if bits == 4 else GroupQuantized.int8_from_float(dense)
-    return weight, group_kernels.pack_nibbles(weight.q) if bits == 4 else weight.q
+    return weight, weight.data
 
 
 def against(revision: str, rows: list[int], repeats: int) -> None:

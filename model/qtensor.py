@@ -10,20 +10,48 @@ import torch
 GROUP = 32
 
 
+def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """[N, K] values 0..15 -> [N, K / 2] uint8 in ggml's block layout (group value j low, j + 16 high)."""
+    n, k = q.shape
+    g = q.to(torch.uint8).view(n, k // GROUP, 2, GROUP // 2)
+    return (g[:, :, 0] | (g[:, :, 1] << 4)).reshape(n, k // 2)
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """pack_nibbles undone: [N, K / 2] uint8 -> [N, K] values 0..15."""
+    n = packed.shape[0]
+    g = packed.view(n, -1, GROUP // 2)
+    return torch.cat([g & 0x0F, g >> 4], dim=-1).view(n, -1)
+
+
 @dataclass(slots=True)
 class GroupQuantized:
     """weight[r, c] = q[r, c] * scale[r, c // GROUP] + minimum[r, c // GROUP] (minimum 0 where None).
 
-    bits 4: q uint8 in 0..15; bits 8: q int8 in -127..127. scale and minimum are float32 [out, in / GROUP]."""
+    bits 4: `data` holds q (0..15) two to a byte in ggml's block layout (pack_nibbles), uint8 [out, in / 2]: a GGUF
+    Q4 tensor's own bytes, which our kernel reads as they are; bits 8: `data` is q itself, int8 [out, in] in
+    -127..127. scale and minimum are float32 [out, in / GROUP]."""
 
     bits: int
-    q: torch.Tensor
+    data: torch.Tensor
     scale: torch.Tensor
     minimum: torch.Tensor | None = None
 
+    @classmethod
+    def from_values(
+        cls, bits: int, q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None = None
+    ) -> "GroupQuantized":
+        return cls(bits, pack_nibbles(q) if bits == 4 else q, scale, minimum)
+
     @property
     def shape(self) -> torch.Size:
-        return self.q.shape
+        rows, columns = self.data.shape
+        return torch.Size((rows, columns * 2 if self.bits == 4 else columns))
+
+    @property
+    def q(self) -> torch.Tensor:
+        """The values one per element, [out, in]."""
+        return unpack_nibbles(self.data) if self.bits == 4 else self.data
 
     def dequantize(self) -> torch.Tensor:
         out_features, in_features = self.q.shape
@@ -42,7 +70,7 @@ class GroupQuantized:
         minimum, maximum = w.amin(dim=-1), w.amax(dim=-1)
         scale = ((maximum - minimum) / 15).clamp(min=1e-10)
         q = ((w - minimum[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.uint8)
-        return cls(4, q.view(out_features, in_features), scale, minimum)
+        return cls.from_values(4, q.view(out_features, in_features), scale, minimum)
 
     @classmethod
     def int8_from_float(cls, weight: torch.Tensor) -> "GroupQuantized":
@@ -60,10 +88,10 @@ class GroupQuantized:
         if any(p.minimum is not None for p in parts):
             minimum = torch.cat([torch.zeros_like(p.scale) if p.minimum is None else p.minimum for p in parts])
         return GroupQuantized(
-            parts[0].bits, torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]), minimum
+            parts[0].bits, torch.cat([p.data for p in parts]), torch.cat([p.scale for p in parts]), minimum
         )
 
     def rows(self, index: torch.Tensor) -> "GroupQuantized":
         """The same rows reordered (llama.cpp's Q/K row permutation undone)."""
         minimum = None if self.minimum is None else self.minimum[index]
-        return GroupQuantized(self.bits, self.q[index], self.scale[index], minimum)
+        return GroupQuantized(self.bits, self.data[index], self.scale[index], minimum)

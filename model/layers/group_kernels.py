@@ -154,13 +154,6 @@ def bfloat16_prompts() -> bool:
     return bool(torch.ops.llmserve_kernels.bfloat16_prompts())
 
 
-def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
-    """[N, K] values 0..15 -> [N, K / 2] uint8 in ggml's block layout (group value j low, j + 16 high)."""
-    n, k = q.shape
-    g = q.to(torch.uint8).view(n, k // GROUP, 2, GROUP // 2)
-    return (g[:, :, 0] | (g[:, :, 1] << 4)).reshape(n, k // 2)
-
-
 def register_fake() -> None:
     """Shapes for torch.compile's tracing of the op."""
 

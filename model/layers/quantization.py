@@ -48,7 +48,7 @@ def int8_per_row(weight: torch.Tensor | GroupQuantized) -> tuple[torch.Tensor, t
     for start in range(0, weight.shape[0], REQUANT_ROWS):
         end = min(start + REQUANT_ROWS, weight.shape[0])
         if isinstance(weight, GroupQuantized):
-            part = GroupQuantized(8, weight.q[start:end], weight.scale[start:end]).dequantize()
+            part = GroupQuantized(8, weight.data[start:end], weight.scale[start:end]).dequantize()
         else:
             part = weight[start:end].detach().float()
         row_scales = part.abs().amax(dim=1).clamp(min=1e-8) / 127.0
@@ -68,8 +68,8 @@ class GroupLinear(WeightOnlyLinear):
     def __init__(self, linear: nn.Linear, weight: GroupQuantized) -> None:
         super().__init__(linear)
         self.bits = weight.bits
-        q = group_kernels.pack_nibbles(weight.q) if weight.bits == 4 else weight.q.to(torch.int8)
-        self.register_buffer("weight", q)
+        q = weight.data if weight.bits == 4 else weight.data.to(torch.int8)
+        self.register_buffer("weight", q.contiguous())
         self.register_buffer("scale", weight.scale.float().contiguous())
         self.register_buffer("minimum", None if weight.minimum is None else weight.minimum.float().contiguous())
 
@@ -191,7 +191,7 @@ class GroupEmbedding(nn.Module):
 
     def __init__(self, weight: GroupQuantized, dtype: torch.dtype) -> None:
         super().__init__()
-        self.register_buffer("weight", weight.q.to(torch.int8))  # [vocab, hidden]
+        self.register_buffer("weight", weight.data.to(torch.int8))  # [vocab, hidden]
         self.register_buffer("scale", weight.scale.float().contiguous())  # [vocab, hidden / 32]
         self.dtype = dtype
 

@@ -225,10 +225,10 @@ def _blocks(data: torch.Tensor, block_bytes: int) -> tuple[torch.Tensor, torch.T
     return blocks, blocks[..., :2].contiguous().view(torch.float16)[..., 0].float()
 
 
-def _nibbles(packed: torch.Tensor) -> torch.Tensor:
-    """[rows, blocks, 16] uint8 -> [rows, blocks * 32]: ggml keeps a block's first 16 values in the low nibbles."""
-    q = torch.cat([packed & 0x0F, packed >> 4], dim=-1)
-    return q.view(q.shape[0], -1)
+def _nibbles(blocks: torch.Tensor) -> torch.Tensor:
+    """[rows, blocks, 16] uint8 (a strided view of the mapping) -> [rows, blocks * 16], copied in ggml's own layout,
+    which GroupQuantized and our kernel keep."""
+    return blocks.contiguous().view(blocks.shape[0], -1)
 
 
 def unpack_q4_0(data: torch.Tensor) -> GroupQuantized:

@@ -7,7 +7,7 @@ import torch
 
 from model.layers import group_kernels
 from model.layers.tracing import compiling_here
-from model.qtensor import GroupQuantized
+from model.qtensor import GroupQuantized, pack_nibbles, unpack_nibbles
 
 pytestmark = pytest.mark.skipif(not group_kernels.load(), reason="the grouped kernel could not be built here")
 
@@ -20,7 +20,7 @@ def grouped(bits: int, n: int, k: int, with_minimum: bool, seed: int) -> GroupQu
         q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
     scale = torch.rand(n, k // 32, generator=g) * 0.05 + 1e-3
     minimum = -torch.rand(n, k // 32, generator=g) * 0.3 if with_minimum else None
-    return GroupQuantized(bits, q, scale, minimum)
+    return GroupQuantized.from_values(bits, q, scale, minimum)
 
 
 def error_bound(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -44,8 +44,7 @@ def error_bound(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def run(weight: GroupQuantized, x: torch.Tensor) -> torch.Tensor:
-    q = group_kernels.pack_nibbles(weight.q) if weight.bits == 4 else weight.q
-    return group_kernels.group_linear(x, q, weight.scale, weight.minimum, weight.bits)
+    return group_kernels.group_linear(x, weight.data, weight.scale, weight.minimum, weight.bits)
 
 
 @pytest.mark.parametrize("bits, with_minimum", [(4, True), (4, False), (8, False)])
@@ -75,16 +74,17 @@ def test_bfloat16_rows_come_back_in_bfloat16(bits: int, rows: int) -> None:
 
 def test_pack_nibbles_is_ggmls_block_layout() -> None:
     q = torch.arange(64, dtype=torch.uint8).remainder(16).view(1, 64)
-    packed = group_kernels.pack_nibbles(q)
+    packed = pack_nibbles(q)
     # byte j of each group: value j in the low nibble, value j + 16 in the high one
     expected = [(j % 16) | (((j + 16) % 16) << 4) for j in range(16)] * 2
     assert packed.tolist() == [expected]
+    assert torch.equal(unpack_nibbles(packed), q)
 
 
 def test_rejects_shapes_that_are_not_whole_groups() -> None:
     weight = grouped(4, 8, 64, True, seed=0)
     with pytest.raises(RuntimeError, match="whole groups"):
-        group_kernels.group_linear(torch.randn(2, 48), group_kernels.pack_nibbles(weight.q), weight.scale[:, :1],
+        group_kernels.group_linear(torch.randn(2, 48), weight.data, weight.scale[:, :1],
                                    weight.minimum, 4)  # fmt: skip
 
 
