@@ -31,11 +31,22 @@ def _leave_triton_unloaded_on_cpu(settings: Settings) -> None:
         sys.modules["triton"] = None  # type: ignore[assignment]  # `import triton` raises ImportError
 
 
+def _reserve_weight_memory(settings: Settings) -> None:
+    """Fault in the weights' huge pages (as many as the last start with these settings took) on a thread of their
+    own while this one imports the server: off the path to the first answer (model/arena.py)."""
+    from model import arena
+    from model.device import resolve_device
+
+    if settings.tensor_parallel_size == 1 and resolve_device(settings.device).type == "cpu":
+        arena.reserve(arena.record_path(settings))
+
+
 def main(argv: list[str] | None = None) -> int:
     command, settings = load_settings(argv)
     _configure_logging(settings.log_level)
     if command == "serve":
         _leave_triton_unloaded_on_cpu(settings)
+        _reserve_weight_memory(settings)
     if command == "serve" and settings.tensor_parallel_size > 1 and int(os.environ.get("RANK", "0")) > 0:
         # torchrun started every rank with the same command: the ranks other than 0 follow rank 0's steps
         from model.engine.workers import run_worker

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from config import Settings
-from model.arena import pack_weights
+from model.arena import pack_weights, record_path
 from model.batch import Batch
 from model.config import ModelConfig
 from model.decoder import Decoder
@@ -109,13 +109,15 @@ def build_decoder(
     keep_weights: bool = False,
     tp: TensorParallel = SINGLE,
     cache_dir: str = "",
+    arena_record: Path | None = None,
 ) -> Decoder:
     """Allocate the decoder (this rank's slice) without random init, stream the checkpoint into it tensor by tensor,
     then give its linear layers their CPU form: quantized, or reordered once for oneDNN.
 
     quantization auto: on CPU, a GGUF's 4- and 8-bit matrices become int4 / int8 layers as they are read (their own
     values, no float copy of the model); float tensors, and everything on CUDA, stay in `dtype`. Quantized layers run
-    on our grouped kernel, built into `cache_dir` on first use, where a compiler is found (group_kernels.py)."""
+    on our grouped kernel, built into `cache_dir` on first use, where a compiler is found (group_kernels.py).
+    `arena_record`: where the weights' arena size is kept for the next start (arena.reserve)."""
     if quantization not in ("auto", "none") and device.type != "cpu":
         raise ValueError(f"--quantization {quantization} runs on CPU only; on {device.type} use --dtype bfloat16")
     if device.type == "cpu" and quantization != "none":
@@ -131,7 +133,7 @@ def build_decoder(
     elif prepack_weights and onednn_usable(device, dtype):
         pack_linears(decoder, keep_weights)  # the linears still dense
     if device.type == "cpu":
-        pack_weights(decoder)
+        pack_weights(decoder, arena_record)
     return decoder.eval()
 
 
@@ -210,6 +212,7 @@ class ModelRunner:
             keep_weights=settings.torch_compile,
             tp=tp,
             cache_dir=settings.cache_dir,
+            arena_record=record_path(settings) if tp.world_size == 1 else None,
         )
         self.load_seconds = time.perf_counter() - started
         release_free_memory()

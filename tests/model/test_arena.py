@@ -1,5 +1,6 @@
 """model/arena.py: the CPU weights moved into one huge-page mapping keep their values, views, ties and types."""
 
+import ctypes
 import re
 from pathlib import Path
 
@@ -67,3 +68,59 @@ def test_the_arena_is_backed_by_huge_pages_where_the_kernel_allows_them() -> Non
     pack_weights(module)
     assert torch.all(module.weights == 1)
     assert _anon_huge_kib() - before >= 2 * HUGE_PAGE // 1024  # at least two of its 2 MiB pages
+
+
+def _rss_kib_of_mapping(address: int) -> int:
+    """Rss of the mapping of this process that contains `address` (from /proc/self/smaps)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = re.match(r"([0-9a-f]+)-([0-9a-f]+) ", line)
+        if head:
+            inside = int(head.group(1), 16) <= address < int(head.group(2), 16)
+        elif inside and line.startswith("Rss:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="no /proc/self/smaps (not Linux)")
+def test_a_start_fills_the_memory_the_last_one_recorded_and_gives_back_the_rest(tmp_path: Path) -> None:
+    from model import arena
+
+    record = tmp_path / "arena-size"
+    module = nn.Module()
+    module.register_buffer("weights", torch.arange(3 * HUGE_PAGE // 4, dtype=torch.float32))  # 6 MiB
+    expected = module.weights.clone()
+    size = pack_weights(module, record)
+    assert int(record.read_text()) == size >= expected.numel() * 4
+    del module  # its arena unmapped: smaps would count a neighbouring mapping of the same kind as one with ours
+
+    record.write_text(str(16 * HUGE_PAGE))  # a larger arena than this one (an older start's, say)
+    arena.reserve(record)
+    assert arena._reserved is not None
+    reserved = arena._reserved[0]
+    base = ctypes.addressof(ctypes.c_char.from_buffer(reserved))
+    again = nn.Module()
+    again.register_buffer("weights", expected.clone())
+    pack_weights(again, record)
+    assert arena._reserved is None and torch.equal(again.weights, expected)
+    assert base <= again.weights.data_ptr() < base + len(reserved)  # filled the reserved mapping
+    assert _rss_kib_of_mapping(base) <= 3 * HUGE_PAGE // 1024  # of its 17 faulted-in huge pages, the arena's 3
+    assert int(record.read_text()) == size  # this start's size, for the next
+
+
+def test_a_reservation_smaller_than_the_arena_is_not_used(tmp_path: Path) -> None:
+    from model import arena
+
+    record = tmp_path / "arena-size"
+    record.write_text(str(HUGE_PAGE // 2))
+    arena.reserve(record)
+    assert arena._reserved is not None
+    reserved = arena._reserved[0]
+    base = ctypes.addressof(ctypes.c_char.from_buffer(reserved))
+    module = nn.Module()
+    module.register_buffer("weights", torch.arange(2 * HUGE_PAGE, dtype=torch.uint8))
+    expected = module.weights.clone()
+    pack_weights(module)
+    assert torch.equal(module.weights, expected)
+    assert not base <= module.weights.data_ptr() < base + len(reserved)
+    assert arena._reserved is None
