@@ -112,15 +112,83 @@ Layout layout_for(int bits, int64_t rows) {
 #endif
 }
 
-// Where value j of group g lands in its row, in `layout`.
-inline int64_t position(Layout layout, int64_t g, int j) {
-  switch (layout) {
-    case Layout::Paired512: return (g / 2) * 64 + (j / 16) * 32 + (g % 2) * 16 + j % 16;
-    case Layout::NibbleWords: return (g / 2) * 64 + ((j >= 16) + 2 * (j % 2)) * 16 + (g % 2) * 8 + (j % 16) / 2;
-    case Layout::NibbleQuads: return (g / 4) * 128 + ((j >= 16) + 2 * (j % 2)) * 32 + (g % 4) * 8 + (j % 16) / 2;
-    default: return g * kGroup + j;
+// One group's 32 values as int16 and its float sum, into row `row` of `layout` at the group's positions; returns
+// the group's scale. The rounding is lrintf's (to nearest, ties to even); values are clamped to int16's range
+// where float rounding lands past 32767.
+#ifdef GROUP_GEMM_AVX512
+inline float quantize_group(const float* v, Layout layout, int64_t g, int16_t* row, float& sum) {
+  const __m512 a = _mm512_loadu_ps(v), b = _mm512_loadu_ps(v + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+  sum = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
+  const float scale = amax > 0.0f ? amax / 32767.0f : 1.0f;
+  const __m512 inverse = _mm512_set1_ps(amax > 0.0f ? 32767.0f / amax : 1.0f);
+  const __m256i low = _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(a, inverse)));
+  const __m256i high = _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(b, inverse)));
+  if (layout == Layout::NibbleQuads) {
+    // value j to vector (j >= 16) + 2 (j % 2), lane (j % 16) / 2 of the group's run of 8 in it
+    const __m512i order = _mm512_set_epi16(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1,  //
+                                           30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    const __m512i runs = _mm512_permutexvar_epi16(order, _mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1));
+    int16_t* base = row + (g / 4) * 128 + (g % 4) * 8;
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(base), _mm512_extracti32x4_epi32(runs, 0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(base + 32), _mm512_extracti32x4_epi32(runs, 1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(base + 64), _mm512_extracti32x4_epi32(runs, 2));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(base + 96), _mm512_extracti32x4_epi32(runs, 3));
+  } else {  // Paired512: the group's two halves at 0 and 32 of its pair's block, after the first group's
+    int16_t* base = row + (g / 2) * 64 + (g % 2) * 16;
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(base), low);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(base + 32), high);
   }
+  return scale;
 }
+#else
+inline float quantize_group(const float* v, Layout layout, int64_t g, int16_t* row, float& sum) {
+  alignas(32) int16_t v16[kGroup];
+#ifdef GROUP_GEMM_AVX2
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 x[4], m = _mm256_setzero_ps(), s = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    x[i] = _mm256_loadu_ps(v + 8 * i);
+    m = _mm256_max_ps(m, _mm256_andnot_ps(sign, x[i]));
+    s = _mm256_add_ps(s, x[i]);
+  }
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+  __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+  s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  sum = _mm_cvtss_f32(_mm_add_ss(s4, _mm_movehdup_ps(s4)));
+  const __m256 inverse = _mm256_set1_ps(amax > 0.0f ? 32767.0f / amax : 1.0f);
+  for (int i = 0; i < 4; i += 2) {  // packs interleaves 128-bit lanes; the permute puts them back in order
+    const __m256i packed = _mm256_packs_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(x[i], inverse)),
+                                              _mm256_cvtps_epi32(_mm256_mul_ps(x[i + 1], inverse)));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(v16 + 8 * i), _mm256_permute4x64_epi64(packed, 0xD8));
+  }
+#else
+  float amax = 0.0f;
+  sum = 0.0f;
+  for (int j = 0; j < kGroup; ++j) {
+    amax = std::max(amax, std::fabs(v[j]));
+    sum += v[j];
+  }
+  const float inverse = amax > 0.0f ? 32767.0f / amax : 1.0f;
+  for (int j = 0; j < kGroup; ++j)
+    v16[j] = static_cast<int16_t>(std::clamp(std::nearbyint(v[j] * inverse), -32768.0f, 32767.0f));
+#endif
+  if (layout == Layout::NibbleWords) {  // value j to vector (j >= 16) + 2 (j % 2), lane (j % 16) / 2 of 8
+    int16_t* base = row + (g / 2) * 64 + (g % 2) * 8;
+    for (int i = 0; i < 8; ++i) {
+      base[i] = v16[2 * i];
+      base[16 + i] = v16[16 + 2 * i];
+      base[32 + i] = v16[2 * i + 1];
+      base[48 + i] = v16[17 + 2 * i];
+    }
+  } else {
+    std::copy_n(v16, kGroup, row + g * kGroup);
+  }
+  return amax > 0.0f ? amax / 32767.0f : 1.0f;
+}
+#endif
 
 QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K, Layout layout) {
   const int64_t groups = K / kGroup;
@@ -130,20 +198,12 @@ QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K, Layout layout)
   const int64_t padded = (groups + span - 1) / span * span, ldq = padded * kGroup, ldd = padded * repeat;
   QuantizedRows out{layout, std::vector<int16_t>(M * ldq), std::vector<float>(M * ldd), std::vector<float>(M * groups), ldq,
                     ldd};
-  at::parallel_for(0, M * groups, 64, [&](int64_t begin, int64_t end) {
+  // ~15 ns a group: a decode step's few rows are not worth waking the other threads for
+  at::parallel_for(0, M * groups, 4096, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t m = i / groups, g = i % groups;
-      const float* v = x + m * K + g * kGroup;
-      float amax = 0.0f, sum = 0.0f;
-      for (int j = 0; j < kGroup; ++j) {
-        amax = std::max(amax, std::fabs(v[j]));
-        sum += v[j];
-      }
-      const float scale = amax > 0.0f ? amax / 32767.0f : 1.0f, inverse = 1.0f / scale;
-      int16_t* q = out.q.data() + m * ldq;
-      for (int j = 0; j < kGroup; ++j) q[position(layout, g, j)] = static_cast<int16_t>(std::lrintf(v[j] * inverse));
+      const float scale = quantize_group(x + m * K + g * kGroup, layout, g, out.q.data() + m * ldq, out.sum[i]);
       std::fill_n(out.scale.data() + m * ldd + g * repeat, repeat, scale);
-      out.sum[i] = sum;
     }
   });
   return out;
