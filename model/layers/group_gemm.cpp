@@ -12,13 +12,15 @@
 // are quantized to int16 per group (below) and each weight group, made int16 once (widened, or with AVX2 its 4-bit
 // nibbles masked in place), is multiplied into every row with madd (vpdpwssd with AVX512-VNNI), so a step reads the
 // 4-bit bytes once. More rows (batched decode, prefill): tiles of weight rows are dequantized into a cache-sized
-// buffer and multiplied by torch's GEMM.
+// buffer and multiplied by torch's GEMM. With AMX a third takes 6 to 48 rows (batched decode): the weights
+// dequantized to bfloat16 block by block and multiplied on AMX's tiles by oneDNN's brgemm micro-kernel (gemm_amx).
 //
 // Layouts: 4 bits: uint8 [N, K / 2], ggml's block layout (byte j of a group holds value j in its low nibble and
 // value j + 16 in its high one). 8 bits: int8 [N, K]. scale, minimum: float32 [N, K / 32].
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
 #include <c10/core/InferenceMode.h>
 #include <torch/library.h>
 
@@ -690,6 +692,85 @@ void gemm_tiled(const at::Tensor& x, const uint8_t* q, const float* scale, const
   });
 }
 
+// Whether AMX's bfloat16 tiles run the few-row product: the CPU lists AMX-BF16 and oneDNN's brgemm micro-kernel
+// (torch's cpublas::brgemm, which asks the kernel for the tile state) can run bfloat16 here.
+bool amx_rows() {
+#if defined(GROUP_GEMM_AVX512) && defined(__AVX512BF16__)
+  static const bool usable = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    const bool amx_bf16 = __get_cpuid_count(7, 0, &a, &b, &c, &d) && ((d >> 22) & 1);
+    return amx_bf16 && at::native::cpublas::could_pack(at::kBFloat16);
+  }();
+  return usable;
+#else
+  return false;
+#endif
+}
+
+// Rows that AMX multiplies, where it can (2 threads, us per call, fused / AMX): 3072 x 576 4 bits, 4 rows 130 / 123,
+// 16 rows 378 / 129, 48 rows 335 (tiled) / 236, 64 rows 374 / 374; 576 x 1536, 6 rows 64 / 70, 8 rows 98 / 66;
+// the 8-bit LM head 49152 x 576, 6 rows 2075 / 1806, 16 rows 6118 / 2307. Fewer rows: the fused path reads the
+// 4-bit bytes once, where AMX's costs a dequantization of the whole matrix whatever the row count; more: the tiled
+// path's GEMM, whose large B operand oneDNN blocks better than the micro-kernel's.
+constexpr int64_t kAmxRows = 6, kAmxMaxRows = 48;
+
+bool amx_takes(int64_t rows) { return rows >= kAmxRows && rows <= kAmxMaxRows && amx_rows(); }
+
+// AMX: y^T = W x^T, so that the weights, dequantized row by row to bfloat16 (the prompt path's rounding), are the
+// micro-kernel's A operand in their natural layout, and the few activation rows, packed once per call in the VNNI
+// pairs AMX reads ([K / 2][M][2]), its B. A decode step then costs one dequantization of the weights, nearly
+// whatever its row count (about half the time of 16 rows; the micro-kernel the rest).
+#if defined(GROUP_GEMM_AVX512) && defined(__AVX512BF16__)
+template <int Bits, typename T>
+void gemm_amx(const T* x, int64_t M, int64_t K, const uint8_t* q, const float* scale, const float* minimum, int64_t N,
+              T* y) {
+  const int64_t groups = K / kGroup, row_bytes = groups * group_bytes(Bits);
+  thread_local std::vector<uint32_t> packed;  // bfloat16 pairs (k, k + 1) of row m at [k / 2][m]
+  packed.resize(K / 2 * M);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; k += 2) {
+      const uint32_t lo = at::BFloat16(float(x[m * K + k])).x, hi = at::BFloat16(float(x[m * K + k + 1])).x;
+      packed[k / 2 * M + m] = lo | hi << 16;
+    }
+  const auto* bp = reinterpret_cast<const at::BFloat16*>(packed.data());
+  // blocks of at most 256 weight rows and 512 KiB dequantized, at least two per thread
+  const int64_t threads = at::get_num_threads();
+  int64_t block = std::min<int64_t>({256, (512 << 10) / (2 * K), (N + 2 * threads - 1) / (2 * threads)});
+  block = std::max<int64_t>(16, (block + 15) / 16 * 16);
+  const int64_t blocks = (N + block - 1) / block;
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    // kept per thread between calls: a fresh buffer this size is mapped and faulted in (tens of us a call)
+    thread_local std::vector<at::BFloat16> w;
+    thread_local std::vector<float> out, row;
+    if (w.size() < static_cast<size_t>(block * K)) w.resize(block * K);
+    if (out.size() < static_cast<size_t>(block * M)) out.resize(block * M);
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t n0 = b * block, rows = std::min(block, N - n0);
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t n = n0 + r;
+        dequantize_row_as<Bits, at::BFloat16>(q + n * row_bytes, scale + n * groups,
+                                              minimum ? minimum + n * groups : nullptr, K, w.data() + r * K, row);
+      }
+      at::native::cpublas::brgemm(rows, M, K, K, M, M, false, w.data(), bp, out.data(), true);
+      // out is y's block transposed: 16 of its rows gathered per store of y
+      const __m512i stride = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                                _mm512_set1_epi32(static_cast<int>(M)));
+      for (int64_t m = 0; m < M; ++m) {
+        T* yr = y + m * N + n0;
+        int64_t r = 0;
+        for (; r + 16 <= rows; r += 16) {
+          const __m512 v = _mm512_i32gather_ps(stride, out.data() + r * M + m, 4);
+          if constexpr (std::is_same_v<T, float>) _mm512_storeu_ps(yr + r, v);
+          else _mm256_storeu_si256(reinterpret_cast<__m256i*>(yr + r), (__m256i)_mm512_cvtneps_pbh(v));
+        }
+        for (; r < rows; ++r) yr[r] = T(out[r * M + m]);
+      }
+    }
+    at::native::cpublas::brgemm_release();
+  });
+}
+#endif
+
 at::Tensor group_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
                         const c10::optional<at::Tensor>& minimum, int64_t bits) {
   TORCH_CHECK(bits == 4 || bits == 8, "group_linear: bits must be 4 or 8");
@@ -713,6 +794,21 @@ at::Tensor group_linear(const at::Tensor& x, const at::Tensor& q, const at::Tens
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0) return y;
   const auto* qp = static_cast<const uint8_t*>(qc.data_ptr());
+#if defined(GROUP_GEMM_AVX512) && defined(__AVX512BF16__)
+  if (amx_takes(M)) {
+    const float* sp = sc.data_ptr<float>();
+    if (bf16) {
+      const auto* xp = xc.data_ptr<at::BFloat16>();
+      auto* yp = y.data_ptr<at::BFloat16>();
+      if (bits == 4) gemm_amx<4>(xp, M, K, qp, sp, mn, N, yp);
+      else gemm_amx<8>(xp, M, K, qp, sp, mn, N, yp);
+    } else {
+      if (bits == 4) gemm_amx<4>(xc.data_ptr<float>(), M, K, qp, sp, mn, N, y.data_ptr<float>());
+      else gemm_amx<8>(xc.data_ptr<float>(), M, K, qp, sp, mn, N, y.data_ptr<float>());
+    }
+    return y;
+  }
+#endif
   if (M > kFusedRows) {
     // float32 rows too are multiplied in bfloat16 where the CPU does that natively (prompts: twice the speed); the
     // few-row path, which every decode step takes, keeps float32 activations
@@ -751,6 +847,7 @@ TORCH_LIBRARY(llmserve_kernels, m) {
   // the most rows the int16 path takes (its rounding differs from the tiled path's): for tests and benchmarks
   m.def("fused_rows() -> int", &fused_rows);
   m.def("bfloat16_prompts() -> bool", &bfloat16_prompts);  // whether float32 rows beyond those multiply in bfloat16
+  m.def("amx_takes(int rows) -> bool", &amx_takes);  // whether that many rows multiply on AMX's tiles
 }
 
 TORCH_LIBRARY_IMPL(llmserve_kernels, CPU, m) { m.impl("group_linear", &group_linear); }

@@ -149,6 +149,12 @@ def fused_rows() -> int:
     return int(torch.ops.llmserve_kernels.fused_rows())
 
 
+def amx_takes(rows: int) -> bool:
+    """Whether that many rows multiply on AMX's bfloat16 tiles (x and the weights rounded to bfloat16), taking them
+    from the int16 path or the tiled one: batched decode on a CPU with AMX."""
+    return bool(torch.ops.llmserve_kernels.amx_takes(rows))
+
+
 def bfloat16_prompts() -> bool:
     """Whether more than fused_rows() float32 rows multiply in bfloat16 (a CPU with AVX512-BF16)."""
     return bool(torch.ops.llmserve_kernels.bfloat16_prompts())

@@ -27,17 +27,18 @@ def error_bound(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """Up to fused_rows() rows, activations are rounded to int16 steps of their group's largest magnitude / 32767:
     each by at most half a step, times the weights it multiplies; plus float32's rounding of the sums. bfloat16
     rows: the output's own rounding (half an ulp, 2^-9 relative) and, on the tiled path, each weight's; float32 rows
-    on the tiled path of a CPU with AVX512-BF16 round x as well."""
+    on the tiled path of a CPU with AVX512-BF16, or on AMX's, round x as well."""
     rows, w = x.shape[0], weight.double().abs()
     step = x.double().abs().view(rows, -1, 32).amax(-1) / 32767  # [rows, groups]
-    fused = rows <= group_kernels.fused_rows()
+    amx = group_kernels.amx_takes(rows)
+    fused = rows <= group_kernels.fused_rows() and not amx
     rounding = (step / 2) @ w.view(w.shape[0], -1, 32).sum(-1).T if fused else 0
     magnitude = x.double().abs() @ w.T
     bound = rounding + 1e-6 * magnitude
     if x.dtype == torch.bfloat16:
         exact = x.double() @ weight.double().T
         bound = bound + exact.abs() * 2**-8 + (0 if fused else magnitude * 2**-8)
-    elif not fused and group_kernels.bfloat16_prompts():  # x, the weights and the output each rounded to bfloat16
+    elif not fused and (amx or group_kernels.bfloat16_prompts()):  # x, the weights (and output) rounded to bfloat16
         exact = x.double() @ weight.double().T
         bound = bound + exact.abs() * 2**-8 + magnitude * 2**-7
     return bound
