@@ -43,23 +43,26 @@ PROMPTS = [
 
 
 @torch.inference_mode()
-def run(engine: Engine) -> tuple[list[list[int]], list[torch.Tensor]]:
-    tokens, logits = [], []
-    for i, prompt in enumerate(PROMPTS):
-        ids = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-        engine.add_request(str(i), ids, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
-        out: list[int] = []
+def run(engine: Engine, together: bool = False) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """Greedy tokens per prompt, the prompts one at a time or (together) all decoded in one batch, as under load;
+    and each prompt's last-position logits."""
+    from tests.model.test_smollm2_parity import single_sequence_batch
+
+    prompt_ids = [engine.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS]
+    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(PROMPTS))}
+    batches = [list(tokens)] if together else [[key] for key in tokens]
+    for batch in batches:
+        for key in batch:
+            params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+            engine.add_request(key, prompt_ids[int(key)], params)
         engine._drain_inbox(block=False)
         while engine.scheduler.has_work():
             for o in engine.step():
-                out += o.new_token_ids
-        tokens.append(out)
-        # last-position logits of the prompt, via one uncached forward through the same runner
-        decoder = engine.runner.decoder
-        from tests.model.test_smollm2_parity import single_sequence_batch
-
-        logits.append(decoder.compute_logits(decoder(single_sequence_batch(ids)))[-1])
-    return tokens, logits
+                tokens[o.request_id] += o.new_token_ids
+    # last-position logits of each prompt, via one uncached forward through the same runner
+    decoder = engine.runner.decoder
+    logits = [decoder.compute_logits(decoder(single_sequence_batch(ids)))[-1] for ids in prompt_ids]
+    return list(tokens.values()), logits
 
 
 REFERENCE = {"quantization": "none", "dtype": "float32", "torch_compile": False}
@@ -80,6 +83,7 @@ def main() -> None:
     print("|---|---:|---:|---:|")
     variants: dict[str, dict[str, object]] = {
         "(defaults)": {},
+        "(defaults), the 20 prompts decoded as one batch": {"together": True},
         "(defaults) --no-torch-compile": {"torch_compile": False},
         "--dtype float32 (auto quantization, compiled)": {"dtype": "float32"},
         "--quantization int8": {**REFERENCE, "quantization": "int8"},
@@ -87,7 +91,8 @@ def main() -> None:
         "--dtype bfloat16 --quantization none": {**REFERENCE, "dtype": "bfloat16"},
     }
     for flags, overrides in variants.items():
-        q_tokens, q_logits = run(engine(**overrides))
+        together = bool(overrides.pop("together", False))
+        q_tokens, q_logits = run(engine(**overrides), together)
         same = sum(a == b for a, b in zip(f32_tokens, q_tokens, strict=True))
         max_err = max((a - b).abs().max().item() for a, b in zip(f32_logits, q_logits, strict=True))
         print(f"| `{flags}` | {len(PROMPTS)} | {same} | {max_err:.3f} |")
