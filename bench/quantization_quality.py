@@ -1,7 +1,8 @@
 """How close the default path (the GGUF's own int4/int8, bfloat16 activations where the CPU has them, the decode
 step compiled), `--quantization int8` / `int4` and `--dtype bfloat16` stay to the reference on the default model:
 the checkpoint dequantized, in float32, eager. Greedy tokens on 20 prompts (how many agree on their first 16
-tokens) and the max abs difference of the prompt's last-position logits.
+tokens), the max abs difference of the prompt's last-position logits, and, where a prompt's tokens part from the
+reference, how near a tie the reference itself was there (its top logit minus the logit of the token taken instead).
 
     .venv/bin/python bench/quantization_quality.py
 """
@@ -75,12 +76,29 @@ def engine(**overrides: object) -> Engine:
     return e
 
 
+@torch.inference_mode()
+def tie_margin(reference: Engine, reference_tokens: list[int], tokens: list[int], prompt: str) -> float:
+    """At the first token where `tokens` part from `reference_tokens`: the reference's logit for its own token
+    minus its logit for the one taken instead. Near 0, the two paths split a near-tie."""
+    from tests.model.test_smollm2_parity import single_sequence_batch
+
+    k = next(i for i, (a, b) in enumerate(zip(reference_tokens, tokens, strict=True)) if a != b)
+    ids = reference.tokenizer.apply_chat_template([{"role": "user", "content": prompt}]) + reference_tokens[:k]
+    decoder = reference.runner.decoder
+    logits = decoder.compute_logits(decoder(single_sequence_batch(ids)))[-1].float()
+    return (logits[reference_tokens[k]] - logits[tokens[k]]).item()
+
+
 def main() -> None:
-    f32_tokens, f32_logits = run(engine(**REFERENCE))
+    reference = engine(**REFERENCE)
+    f32_tokens, f32_logits = run(reference)
     scale = max(a.abs().max().item() for a in f32_logits)
     print(f"against float32, the checkpoint dequantized, eager (max abs float32 logit {scale:.1f})\n")
-    print("| flags | prompts | first 16 greedy tokens identical | max abs logit error |")
-    print("|---|---:|---:|---:|")
+    print(
+        "| flags | prompts | first 16 greedy tokens identical | max abs logit error "
+        "| widest reference margin where tokens part |"
+    )
+    print("|---|---:|---:|---:|---:|")
     variants: dict[str, dict[str, object]] = {
         "(defaults)": {},
         "(defaults), the 20 prompts decoded as one batch": {"together": True},
@@ -95,7 +113,13 @@ def main() -> None:
         q_tokens, q_logits = run(engine(**overrides), together)
         same = sum(a == b for a, b in zip(f32_tokens, q_tokens, strict=True))
         max_err = max((a - b).abs().max().item() for a, b in zip(f32_logits, q_logits, strict=True))
-        print(f"| `{flags}` | {len(PROMPTS)} | {same} | {max_err:.3f} |")
+        margins = [
+            tie_margin(reference, a, b, prompt)
+            for a, b, prompt in zip(f32_tokens, q_tokens, PROMPTS, strict=True)
+            if a != b
+        ]
+        widest = f"{max(margins):.3f}" if margins else "-"
+        print(f"| `{flags}` | {len(PROMPTS)} | {same} | {max_err:.3f} | {widest} |")
 
 
 if __name__ == "__main__":
