@@ -15,6 +15,7 @@ llama-server. llmserve runs with `--llmserve-args` (none: the defaults); llama-s
 import argparse
 import asyncio
 import os
+import re
 import shlex
 import statistics
 import subprocess
@@ -233,7 +234,14 @@ async def main_async(args: argparse.Namespace) -> None:
     text = report(args, rounds, time.perf_counter() - began)
     print(text)
     if args.out:
-        Path(args.out).write_text(text)
+        Path(args.out).write_text(text + kept_history(Path(args.out)))
+
+
+def kept_history(out: Path) -> str:
+    """What --out holds from its first dated section on (`# 2026-...`): the run's table replaces only what is above."""
+    old = out.read_text() if out.exists() else ""
+    match = re.search(r"^# \d{4}-\d{2}-\d{2}", old, flags=re.MULTILINE)
+    return "\n" + old[match.start() :] if match else ""
 
 
 def main() -> None:
