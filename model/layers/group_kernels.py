@@ -79,7 +79,12 @@ def load(cache_dir: str = "") -> bool:
         if _loaded is None:
             _loaded, why = _load(cache_dir)
             if _loaded:
-                log.info("quantized linears: our grouped kernel, float32 sums (%s)", instruction_set())
+                log.info(
+                    "quantized linears: our grouped kernel, float32 sums (%s); batched decode on %s; prompts in %s",
+                    instruction_set(),
+                    "AMX's bfloat16 tiles" if amx_takes(16) else "the int16 path",
+                    "bfloat16" if bfloat16_prompts() else "float32",
+                )
             else:
                 log.warning("quantized linears: torch's int4/int8 kernels (bfloat16 scales): %s", why)
         return _loaded
