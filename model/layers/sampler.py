@@ -147,13 +147,19 @@ class Sampler(nn.Module):
         raw = logits  # [B, V]; logprobs are taken from these, before any processing
         logits = apply_penalties(logits.float(), batch)
         if batch.all_greedy:
-            token_ids = logits.argmax(dim=-1)
+            token_ids = greedy(logits)
         elif batch.any_greedy:
-            token_ids = torch.where(batch.greedy, logits.argmax(dim=-1), sample(logits, batch))
+            token_ids = torch.where(batch.greedy, greedy(logits), sample(logits, batch))
         else:
             token_ids = sample(logits, batch)
         logprobs = None if batch.logprobs is None else compute_logprobs(raw, token_ids, batch.logprobs)
         return SamplerOutput(token_ids, logprobs)
+
+
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """argmax over the vocabulary, the first index on ties (as argmax). torch.max's reduction is vectorized on CPU
+    where argmax's is not: [16, 49152] float32 on 2 threads 0.17 against 0.52 ms."""
+    return logits.max(dim=-1).indices
 
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

@@ -61,6 +61,16 @@ def test_greedy_equals_float64_argmax(dtype: torch.dtype) -> None:
     assert out.logprobs is None
 
 
+def test_greedy_takes_the_first_of_tied_maxima() -> None:
+    # few distinct values: most rows hold their maximum many times, at positions found here by a plain scan
+    logits = torch.randint(0, 4, (16, 49152), generator=torch.Generator().manual_seed(1)).float()
+    logits[3, 7] = logits[3, 40000] = 9.0
+    out = Sampler()(logits, build([SamplingParams(temperature=0)] * 16, 49152))
+    first = [row.tolist().index(max(row.tolist())) for row in logits]
+    assert out.token_ids.tolist() == first
+    assert first[3] == 7
+
+
 def test_greedy_rows_beside_sampled_rows_stay_argmax() -> None:
     logits = distinct_logits(8, 1000, 2.0, 1)
     params = [SamplingParams(temperature=0 if i % 2 else 1.0, top_p=0.5) for i in range(8)]
