@@ -1,17 +1,19 @@
 // y = x @ W^T for W held as a checkpoint's own quantized groups: 32 consecutive input columns of one output row
 // share a float32 scale (and, for 4 bits, a minimum), W[n, k] = q[n, k] * scale[n, k / 32] + minimum[n, k / 32].
 // Sums are float32, so the result is the dequantized matrix's product within float32 rounding (many rows) or the
-// int16 activation rounding (few rows; a relative 2e-5 of the largest output). x is float32 or bfloat16, and y
-// takes its dtype; many bfloat16 rows multiply the weights rounded to bfloat16 (a relative 2^-9 per weight).
+// activation rounding of the fused path (int16, a relative 2e-5 of the largest output; 8-bit weights from two rows
+// with AVX512-VNNI: int8, as llama.cpp's, about 5e-3). x is float32 or bfloat16, and y takes its dtype; many
+// bfloat16 rows multiply the weights rounded to bfloat16 (a relative 2^-9 per weight).
 //
 // Why our own: torch's CPU int4/int8 kernels take bfloat16 scales (a 2^-8 error shared by a whole group, the main
 // drift from the float32 reference) and, without AVX512-BF16, run only bfloat16 activations at speed; float32
 // ones fall to a scalar loop 20-100x slower.
 //
-// Two paths. Up to kFusedRows rows (decode; 32 with AVX2, 16 with AVX512-VNNI, 12 in portable C++): activations
-// are quantized to int16 per group (below) and each weight group, made int16 once (widened, or with AVX2 its 4-bit
-// nibbles masked in place), is multiplied into every row with madd (vpdpwssd with AVX512-VNNI), so a step reads the
-// 4-bit bytes once. More rows (batched decode, prefill): tiles of weight rows are dequantized into a cache-sized
+// Two paths. Up to fused_max_rows() rows (decode; 32 with AVX2, 16 with AVX512-VNNI, 12 in portable C++), the
+// fused path: activations are quantized to int16 per group and each weight group, made int16 once (widened, or its
+// 4-bit nibbles masked in place), is multiplied into every row with madd (vpdpwssd with AVX512-VNNI), so a step
+// reads the 4-bit bytes once; 8-bit weights from kByteRows rows with AVX512-VNNI take int8 activations and vpdpbusd
+// instead (up to 64 rows without AMX). More rows (batched decode, prefill): tiles of weight rows are dequantized into a cache-sized
 // buffer and multiplied by torch's GEMM. With AMX a third takes 6 to 48 rows (batched decode): the weights
 // dequantized to bfloat16 block by block and multiplied on AMX's tiles by oneDNN's brgemm micro-kernel (gemm_amx).
 //
@@ -27,6 +29,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -44,6 +48,15 @@
 namespace {
 
 constexpr int64_t kGroup = 32;
+
+// LLMSERVE_AMX=0 runs as on a CPU without AMX (benchmarks of those paths on a machine that has it)
+bool amx_allowed() {
+  static const bool allowed = [] {
+    const char* value = std::getenv("LLMSERVE_AMX");
+    return value == nullptr || std::strcmp(value, "0") != 0;
+  }();
+  return allowed;
+}
 
 // Activations as int16 per group of 32 (scale = the group's largest magnitude / 32767, a relative error of at most
 // 1.5e-5 of that magnitude, between float16's and float32's), so that one madd multiplies 16 weights: about a third
@@ -92,7 +105,7 @@ bool bfloat16_prompts() {
     __builtin_cpu_init();
     unsigned a = 0, b = 0, c = 0, d = 0;
     const bool amx_bf16 = __get_cpuid_count(7, 0, &a, &b, &c, &d) && ((d >> 22) & 1);
-    return __builtin_cpu_is("amd") || amx_bf16;
+    return __builtin_cpu_is("amd") || (amx_bf16 && amx_allowed());
   }();
   return faster;
 #else
@@ -210,6 +223,51 @@ QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K, Layout layout)
   });
   return out;
 }
+
+#ifdef GROUP_GEMM_AVX512
+// 8-bit weights (the default model's LM head, the largest matrix) from kByteRows rows: activations as int8 per
+// group of 32 (scale = the group's largest magnitude / 127, as llama.cpp's Q8 activations), multiplied with
+// vpdpbusd, 64 products an instruction where vpdpwssd makes 32: 16 rows of the LM head 8.8 -> 5.1 ms (Intel Xeon,
+// no AMX). Not for the 4-bit matrices: their inputs carry outlier channels that int8 steps of the group's largest
+// magnitude blur (on the 20 prompts of bench/quantization_quality.py, prompts through int8 activations kept 7 of 20
+// greedy continuations and a logit error of 2.5; the LM head's alone kept 20, 0.45). One row keeps int16: its step
+// waits on reading the weights, not on the multiplies. Layout, per pass of four groups g .. g + 3: [values 0..15 of
+// g, g + 1, g + 2, g + 3] then [values 16..31 of each], so that dpbusd's int32 lane i sums group g + i / 4; scales
+// repeated 4 times. vpdpbusd multiplies unsigned by signed bytes, so the weights are biased by 128 (a sign-bit flip)
+// and each group's sum corrected by 128 * (its quantized activations' sum), carried as that group's `sum` against
+// the weight scales (the minimum's term's slot).
+constexpr int64_t kByteRows = 2;
+
+struct ByteRows {
+  std::vector<int8_t> q;     // [M, ldq]
+  std::vector<float> scale;  // [M, ldd]
+  std::vector<float> sum;    // [M, K / 32]: -128 * scale * (the group's sum of q)
+  int64_t ldq, ldd;
+};
+
+ByteRows quantize_bytes(const float* x, int64_t M, int64_t K) {
+  const int64_t groups = K / kGroup, padded = (groups + 3) / 4 * 4, ldq = padded * kGroup, ldd = padded * 4;
+  ByteRows out{std::vector<int8_t>(M * ldq), std::vector<float>(M * ldd), std::vector<float>(M * groups), ldq, ldd};
+  at::parallel_for(0, M * groups, 4096, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t m = i / groups, g = i % groups;
+      const float* v = x + m * K + g * kGroup;
+      const __m512 a = _mm512_loadu_ps(v), b = _mm512_loadu_ps(v + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+      const float scale = amax > 0.0f ? amax / 127.0f : 1.0f;
+      const __m512 inverse = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 1.0f);
+      const __m512i low = _mm512_cvtps_epi32(_mm512_mul_ps(a, inverse));  // to nearest, ties to even
+      const __m512i high = _mm512_cvtps_epi32(_mm512_mul_ps(b, inverse));
+      int8_t* base = out.q.data() + m * ldq + (g / 4) * 128 + (g % 4) * 16;
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(base), _mm512_cvtsepi32_epi8(low));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(base + 64), _mm512_cvtsepi32_epi8(high));
+      std::fill_n(out.scale.data() + m * ldd + g * 4, 4, scale);
+      out.sum[i] = -128.0f * scale * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(low, high)));
+    }
+  });
+  return out;
+}
+#endif
 
 #ifdef GROUP_GEMM_AVX2
 inline float hsum(__m256 v) {
@@ -349,6 +407,46 @@ void pair_tile(const int16_t* xq, int64_t ldq, const float* xs, const float* xd,
   for (; p < groups / 2; ++p) pass(p, std::true_type{});
   if (groups % 2) pass(p, std::false_type{});
   sums.store(groups, xs, minimum, y, ldy);
+}
+
+// R rows of x (ByteRows) against W consecutive 8-bit weight rows, four groups per pass: their 128 bytes, the first
+// and second halves of each group gathered by two lane shuffles.
+template <int R, int W, typename T>
+void byte_quad_tile(const int8_t* xq, int64_t ldq, const float* xs, const float* xd, int64_t ldd, int64_t K,
+                    const uint8_t* q, int64_t ldw, const float* scale, T* y, int64_t ldy) {
+  const int64_t groups = K / kGroup;
+  Sums<R, W> sums;
+  const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
+  const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+  auto pass = [&](int64_t u, int64_t count) {  // groups 4u .. 4u + count - 1; a short last pass reads zeros
+    __m512i lo[W], hi[W];
+    __m512 d[W];
+    for (int w = 0; w < W; ++w) {
+      const uint8_t* qu = q + w * ldw + u * 128;
+      const int64_t first = std::min<int64_t>(count, 2) * 32, second = std::max<int64_t>(count - 2, 0) * 32;
+      const __m512i a = first == 64 ? _mm512_loadu_si512(qu) : _mm512_maskz_loadu_epi8((__mmask64{1} << first) - 1, qu);
+      const __m512i b = second == 64 ? _mm512_loadu_si512(qu + 64)
+                                     : _mm512_maskz_loadu_epi8((__mmask64{1} << second) - 1, qu + 64);
+      lo[w] = _mm512_xor_si512(_mm512_shuffle_i64x2(a, b, _MM_SHUFFLE(2, 0, 2, 0)), bias);
+      hi[w] = _mm512_xor_si512(_mm512_shuffle_i64x2(a, b, _MM_SHUFFLE(3, 1, 3, 1)), bias);
+      const float* su = scale + w * groups + u * 4;
+      const __m128 four = count == 4 ? _mm_loadu_ps(su) : _mm_maskz_loadu_ps((1 << count) - 1, su);
+      d[w] = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(four));
+    }
+    for (int r = 0; r < R; ++r) {
+      const int8_t* xr = xq + r * ldq + u * 128;
+      const __m512i xl = _mm512_loadu_si512(xr), xh = _mm512_loadu_si512(xr + 64);
+      const __m512 xdr = _mm512_loadu_ps(xd + r * ldd + u * 16);
+      for (int w = 0; w < W; ++w) {
+        const __m512i sum = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[w], xl), hi[w], xh);
+        sums.acc[r][w] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(d[w], xdr), sums.acc[r][w]);
+      }
+    }
+  };
+  int64_t u = 0;
+  for (; 4 * u + 4 <= groups; ++u) pass(u, 4);
+  if (4 * u < groups) pass(u, groups - 4 * u);
+  sums.store(groups, xs, scale, y, ldy);  // each group's bias correction: its scale times the carried sum
 }
 #elif defined(GROUP_GEMM_AVX2)
 // The sums of R rows against W weight rows, one 8-lane chain each (two, alternating, where there are fewer than 4),
@@ -515,18 +613,28 @@ template <int Bits, int R>
 constexpr int kTileWidth = Bits == 8 ? 1 : R == 1 ? 4 : R == 2 ? 2 : 1;
 #endif
 
-// R rows of x against weight rows [begin, end).
-template <int Bits, int R, typename T>
-void rows_pass(const QuantizedRows& x, int64_t m, const uint8_t* q, const float* scale, const float* minimum,
-               int64_t begin, int64_t end, int64_t N, int64_t K, T* y) {
+// R rows of x (QuantizedRows or ByteRows) against weight rows [begin, end).
+template <int Bits, int R, typename T, typename Rows>
+void rows_pass(const Rows& x, int64_t m, const uint8_t* q, const float* scale, const float* minimum, int64_t begin,
+               int64_t end, int64_t N, int64_t K, T* y) {
   const int64_t groups = K / kGroup, row_bytes = groups * group_bytes(Bits);
-  const int16_t* xq = x.q.data() + m * x.ldq;
+  const auto* xq = x.q.data() + m * x.ldq;
   const float* xs = x.sum.data() + m * groups;
   const float* xd = x.scale.data() + m * x.ldd;
   auto tile = [&](int64_t n, auto width) {
-    dot_tile<Bits, R, decltype(width)::value, T>(x.layout, xq, x.ldq, xs, xd, x.ldd, K, q + n * row_bytes, row_bytes,
-                                                 scale + n * groups, minimum ? minimum + n * groups : nullptr,
-                                                 y + m * N + n, N);
+    constexpr int W = decltype(width)::value;
+    const float* mn = minimum ? minimum + n * groups : nullptr;
+#ifdef GROUP_GEMM_AVX512
+    if constexpr (std::is_same_v<Rows, ByteRows>) {
+      byte_quad_tile<R, W, T>(xq, x.ldq, xs, xd, x.ldd, K, q + n * row_bytes, row_bytes, scale + n * groups,
+                              y + m * N + n, N);
+      return;
+    } else
+#endif
+    {
+      dot_tile<Bits, R, W, T>(x.layout, xq, x.ldq, xs, xd, x.ldd, K, q + n * row_bytes, row_bytes, scale + n * groups,
+                              mn, y + m * N + n, N);
+    }
   };
   constexpr int W = kTileWidth<Bits, R>;
   int64_t n = begin;
@@ -534,26 +642,26 @@ void rows_pass(const QuantizedRows& x, int64_t m, const uint8_t* q, const float*
   for (; n < end; ++n) tile(n, std::integral_constant<int, 1>{});
 }
 
-template <int Bits, typename T>
-void gemm(const QuantizedRows& x, int64_t M, const uint8_t* q, const float* scale, const float* minimum, int64_t N,
-          int64_t K, T* y) {
+template <int Bits, typename T, typename Rows>
+void gemm(const Rows& x, int64_t M, const uint8_t* q, const float* scale, const float* minimum, int64_t N, int64_t K,
+          T* y) {
   at::parallel_for(0, N, kBlock, [&](int64_t begin, int64_t end) {
     // a block of weight rows for each pass of rows of x: the pass's activations stay in L1 across the block
     for (int64_t block = begin; block < end; block += kBlock) {
       const int64_t last = std::min(block + kBlock, end);
       for (int64_t m = 0; m < M; m += kRowsPerPass) {
         switch (std::min<int64_t>(kRowsPerPass, M - m)) {
-          case 1: rows_pass<Bits, 1, T>(x, m, q, scale, minimum, block, last, N, K, y); break;
-          case 2: rows_pass<Bits, 2, T>(x, m, q, scale, minimum, block, last, N, K, y); break;
-          case 3: rows_pass<Bits, 3, T>(x, m, q, scale, minimum, block, last, N, K, y); break;
+          case 1: rows_pass<Bits, 1>(x, m, q, scale, minimum, block, last, N, K, y); break;
+          case 2: rows_pass<Bits, 2>(x, m, q, scale, minimum, block, last, N, K, y); break;
+          case 3: rows_pass<Bits, 3>(x, m, q, scale, minimum, block, last, N, K, y); break;
 #ifdef GROUP_GEMM_AVX512
-          case 4: rows_pass<Bits, 4, T>(x, m, q, scale, minimum, block, last, N, K, y); break;
-          case 5: rows_pass<Bits, 5, T>(x, m, q, scale, minimum, block, last, N, K, y); break;
-          case 6: rows_pass<Bits, 6, T>(x, m, q, scale, minimum, block, last, N, K, y); break;
-          case 7: rows_pass<Bits, 7, T>(x, m, q, scale, minimum, block, last, N, K, y); break;
-          default: rows_pass<Bits, 8, T>(x, m, q, scale, minimum, block, last, N, K, y); break;
+          case 4: rows_pass<Bits, 4>(x, m, q, scale, minimum, block, last, N, K, y); break;
+          case 5: rows_pass<Bits, 5>(x, m, q, scale, minimum, block, last, N, K, y); break;
+          case 6: rows_pass<Bits, 6>(x, m, q, scale, minimum, block, last, N, K, y); break;
+          case 7: rows_pass<Bits, 7>(x, m, q, scale, minimum, block, last, N, K, y); break;
+          default: rows_pass<Bits, 8>(x, m, q, scale, minimum, block, last, N, K, y); break;
 #else
-          default: rows_pass<Bits, 4, T>(x, m, q, scale, minimum, block, last, N, K, y); break;
+          default: rows_pass<Bits, 4>(x, m, q, scale, minimum, block, last, N, K, y); break;
 #endif
         }
       }
@@ -699,7 +807,7 @@ bool amx_rows() {
   static const bool usable = [] {
     unsigned a = 0, b = 0, c = 0, d = 0;
     const bool amx_bf16 = __get_cpuid_count(7, 0, &a, &b, &c, &d) && ((d >> 22) & 1);
-    return amx_bf16 && at::native::cpublas::could_pack(at::kBFloat16);
+    return amx_bf16 && amx_allowed() && at::native::cpublas::could_pack(at::kBFloat16);
   }();
   return usable;
 #else
@@ -715,6 +823,18 @@ bool amx_rows() {
 constexpr int64_t kAmxRows = 6, kAmxMaxRows = 48;
 
 bool amx_takes(int64_t rows) { return rows >= kAmxRows && rows <= kAmxMaxRows && amx_rows(); }
+
+// The most rows the fused path takes. 8-bit weights, without AMX and where prompts stay float32 (an Intel Xeon with
+// AVX512-VNNI): their int8 activations multiply the LM head 9.4 / 12.5 / 21.2 ms at 24 / 32 / 64 rows, where its
+// dequantized tiles through MKL's float32 GEMM take 14.6 / 16.4 / 26.2 (2 threads).
+constexpr int64_t kByteMaxRows = 64;
+
+int64_t fused_max_rows(int64_t bits) {
+#ifdef GROUP_GEMM_AVX512
+  if (bits == 8 && !amx_rows() && !bfloat16_prompts()) return kByteMaxRows;
+#endif
+  return kFusedRows;
+}
 
 // AMX: y^T = W x^T, so that the weights, dequantized row by row to bfloat16 (the prompt path's rounding), are the
 // micro-kernel's A operand in their natural layout, and the few activation rows, packed once per call in the VNNI
@@ -809,7 +929,7 @@ at::Tensor group_linear(const at::Tensor& x, const at::Tensor& q, const at::Tens
     return y;
   }
 #endif
-  if (M > kFusedRows) {
+  if (M > fused_max_rows(bits)) {
     // float32 rows too are multiplied in bfloat16 where the CPU does that natively (prompts: twice the speed); the
     // few-row path, which every decode step takes, keeps float32 activations
     if (bf16 || bfloat16_prompts()) {
@@ -824,10 +944,19 @@ at::Tensor group_linear(const at::Tensor& x, const at::Tensor& q, const at::Tens
     }
     return y;
   }
-  // few rows: widened to float (exact from bfloat16), quantized per group, summed in float32
+  // few rows: widened to float (exact from bfloat16), quantized per group (int16; int8 for 8-bit weights from
+  // kByteRows rows), summed in float32
   const at::Tensor x32 = bf16 ? xc.to(at::kFloat) : xc;
-  const QuantizedRows rows = quantize_rows(x32.data_ptr<float>(), M, K, layout_for(bits, M));
   const float* sp = sc.data_ptr<float>();
+#ifdef GROUP_GEMM_AVX512
+  if (bits == 8 && M >= kByteRows) {
+    const ByteRows rows = quantize_bytes(x32.data_ptr<float>(), M, K);
+    if (bf16) gemm<8>(rows, M, qp, sp, mn, N, K, y.data_ptr<at::BFloat16>());
+    else gemm<8>(rows, M, qp, sp, mn, N, K, y.data_ptr<float>());
+    return y;
+  }
+#endif
+  const QuantizedRows rows = quantize_rows(x32.data_ptr<float>(), M, K, layout_for(bits, M));
   if (bf16) {
     if (bits == 4) gemm<4>(rows, M, qp, sp, mn, N, K, y.data_ptr<at::BFloat16>());
     else gemm<8>(rows, M, qp, sp, mn, N, K, y.data_ptr<at::BFloat16>());
@@ -838,14 +967,24 @@ at::Tensor group_linear(const at::Tensor& x, const at::Tensor& q, const at::Tens
   return y;
 }
 
-int64_t fused_rows() { return kFusedRows; }
+int64_t fused_rows(int64_t bits) { return fused_max_rows(bits); }
+
+// the fewest rows whose activations the fused path rounds to int8 rather than int16, for 8-bit weights (0: none)
+int64_t int8_rows() {
+#ifdef GROUP_GEMM_AVX512
+  return kByteRows;
+#else
+  return 0;
+#endif
+}
 
 }  // namespace
 
 TORCH_LIBRARY(llmserve_kernels, m) {
   m.def("group_linear(Tensor x, Tensor q, Tensor scale, Tensor? minimum, int bits) -> Tensor");
   // the most rows the int16 path takes (its rounding differs from the tiled path's): for tests and benchmarks
-  m.def("fused_rows() -> int", &fused_rows);
+  m.def("fused_rows(int bits) -> int", &fused_rows);
+  m.def("int8_rows() -> int", &int8_rows);
   m.def("bfloat16_prompts() -> bool", &bfloat16_prompts);  // whether float32 rows beyond those multiply in bfloat16
   m.def("amx_takes(int rows) -> bool", &amx_takes);  // whether that many rows multiply on AMX's tiles
 }

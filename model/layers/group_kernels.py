@@ -82,7 +82,11 @@ def load(cache_dir: str = "") -> bool:
                 log.info(
                     "quantized linears: our grouped kernel, float32 sums (%s); batched decode on %s; prompts in %s",
                     instruction_set(),
-                    "AMX's bfloat16 tiles" if amx_takes(16) else "the int16 path",
+                    "AMX's bfloat16 tiles"
+                    if amx_takes(16)
+                    else "the int16 path (int8 for 8-bit weights)"
+                    if int8_rows()
+                    else "the int16 path",
                     "bfloat16" if bfloat16_prompts() else "float32",
                 )
             else:
@@ -149,9 +153,16 @@ def paged_decode_attention(
     )
 
 
-def fused_rows() -> int:
-    """The most rows of x that take the int16 path (more take dequantized tiles through torch's GEMM)."""
-    return int(torch.ops.llmserve_kernels.fused_rows())
+def fused_rows(bits: int = 4) -> int:
+    """The most rows of x that take the fused path for `bits`-bit weights (more take dequantized tiles through
+    torch's GEMM)."""
+    return int(torch.ops.llmserve_kernels.fused_rows(bits))
+
+
+def int8_rows() -> int:
+    """The fewest rows (up to fused_rows(8)) whose activations the fused path rounds to int8 rather than int16 for
+    8-bit weights; 0 where it never does (no AVX512-VNNI). 4-bit weights always take int16."""
+    return int(torch.ops.llmserve_kernels.int8_rows())
 
 
 def amx_takes(rows: int) -> bool:

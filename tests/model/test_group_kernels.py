@@ -23,15 +23,17 @@ def grouped(bits: int, n: int, k: int, with_minimum: bool, seed: int) -> GroupQu
     return GroupQuantized.from_values(bits, q, scale, minimum)
 
 
-def error_bound(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """Up to fused_rows() rows, activations are rounded to int16 steps of their group's largest magnitude / 32767:
-    each by at most half a step, times the weights it multiplies; plus float32's rounding of the sums. bfloat16
-    rows: the output's own rounding (half an ulp, 2^-9 relative) and, on the tiled path, each weight's; float32 rows
-    on the tiled path of a CPU with AVX512-BF16, or on AMX's, round x as well."""
+def error_bound(x: torch.Tensor, weight: torch.Tensor, bits: int) -> torch.Tensor:
+    """Up to fused_rows(bits) rows, activations are rounded to int16 steps of their group's largest magnitude / 32767
+    (8-bit weights from int8_rows() rows: int8 steps, / 127): each by at most half a step, times the weights it
+    multiplies; plus float32's rounding of the sums. bfloat16 rows: the output's own rounding (half an ulp, 2^-9
+    relative) and, on the tiled path, each weight's; float32 rows on the tiled path of a CPU with AVX512-BF16, or on
+    AMX's, round x as well."""
     rows, w = x.shape[0], weight.double().abs()
-    step = x.double().abs().view(rows, -1, 32).amax(-1) / 32767  # [rows, groups]
+    levels = 127 if bits == 8 and 0 < group_kernels.int8_rows() <= rows else 32767
+    step = x.double().abs().view(rows, -1, 32).amax(-1) / levels  # [rows, groups]
     amx = group_kernels.amx_takes(rows)
-    fused = rows <= group_kernels.fused_rows() and not amx
+    fused = rows <= group_kernels.fused_rows(bits) and not amx
     rounding = (step / 2) @ w.view(w.shape[0], -1, 32).sum(-1).T if fused else 0
     magnitude = x.double().abs() @ w.T
     bound = rounding + 1e-6 * magnitude
@@ -49,7 +51,7 @@ def run(weight: GroupQuantized, x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("bits, with_minimum", [(4, True), (4, False), (8, False)])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 12, 13, 16, 17, 32, 33, 40, 70])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 12, 13, 16, 17, 32, 33, 40, 64, 70])
 # 3 groups (no full 8-wide pass over the minimums; an odd one), 5 (AVX512: a last pass of four holding one), 8, 18
 @pytest.mark.parametrize("k", [96, 160, 256, 576])
 def test_matches_float64_reference(bits: int, with_minimum: bool, rows: int, k: int) -> None:
@@ -59,7 +61,7 @@ def test_matches_float64_reference(bits: int, with_minimum: bool, rows: int, k: 
     reference = x.double() @ weight.dequantize().double().T
     out = run(weight, x)
     assert out.dtype == torch.float32 and out.shape == (rows, 50)
-    assert bool(((out.double() - reference).abs() <= error_bound(x, weight.dequantize())).all())
+    assert bool(((out.double() - reference).abs() <= error_bound(x, weight.dequantize(), weight.bits)).all())
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -70,7 +72,7 @@ def test_bfloat16_rows_come_back_in_bfloat16(bits: int, rows: int) -> None:
     reference = x.double() @ weight.dequantize().double().T
     out = run(weight, x)
     assert out.dtype == torch.bfloat16 and out.shape == (rows, 70)
-    assert bool(((out.double() - reference).abs() <= error_bound(x, weight.dequantize())).all())
+    assert bool(((out.double() - reference).abs() <= error_bound(x, weight.dequantize(), weight.bits)).all())
 
 
 def test_pack_nibbles_is_ggmls_block_layout() -> None:
@@ -101,7 +103,7 @@ def test_a_compiled_graph_calls_the_kernel() -> None:
     reference = x.double() @ weight.dequantize().double().T + linear.bias.double()
     with torch.inference_mode(), compiling_here():
         out = torch.compile(layer, dynamic=False, fullgraph=True)(x)
-    assert bool(((out.double() - reference).abs() <= error_bound(x, weight.dequantize()) + 1e-6).all())
+    assert bool(((out.double() - reference).abs() <= error_bound(x, weight.dequantize(), weight.bits) + 1e-6).all())
 
 
 @pytest.mark.parametrize("mode", ["inference", "no_grad"])
@@ -112,4 +114,4 @@ def test_many_rows_in_inference_mode_and_out_of_it(mode: str) -> None:
     with torch.inference_mode() if mode == "inference" else torch.no_grad():
         out = run(weight, x)
     reference = x.double() @ weight.dequantize().double().T
-    assert bool(((out.double() - reference).abs() <= error_bound(x, weight.dequantize())).all())
+    assert bool(((out.double() - reference).abs() <= error_bound(x, weight.dequantize(), weight.bits)).all())
