@@ -30,7 +30,7 @@ class GroupQuantized:
 
     bits 4: `data` holds q (0..15) two to a byte in ggml's block layout (pack_nibbles), uint8 [out, in / 2]: a GGUF
     Q4 tensor's own bytes, which our kernel reads as they are; bits 8: `data` is q itself, int8 [out, in] in
-    -127..127. scale and minimum are float32 [out, in / GROUP]."""
+    -127..127. scale and minimum are float32 [out, in / GROUP], or float16 (a GGUF's own, as it stores them)."""
 
     bits: int
     data: torch.Tensor

@@ -1,5 +1,5 @@
 // y = x @ W^T for W held as a checkpoint's own quantized groups: 32 consecutive input columns of one output row
-// share a float32 scale (and, for 4 bits, a minimum), W[n, k] = q[n, k] * scale[n, k / 32] + minimum[n, k / 32].
+// share a scale (and, for 4 bits, a minimum), W[n, k] = q[n, k] * scale[n, k / 32] + minimum[n, k / 32].
 // Sums are float32, so the result is the dequantized matrix's product within float32 rounding (many rows) or the
 // activation rounding of the fused path (int16, a relative 2e-5 of the largest output; 8-bit weights from two rows
 // with AVX512-VNNI: int8, as llama.cpp's, about 5e-3). x is float32 or bfloat16, and y takes its dtype; many
@@ -18,7 +18,7 @@
 // dequantized to bfloat16 block by block and multiplied on AMX's tiles by oneDNN's brgemm micro-kernel (gemm_amx).
 //
 // Layouts: 4 bits: uint8 [N, K / 2], ggml's block layout (byte j of a group holds value j in its low nibble and
-// value j + 16 in its high one). 8 bits: int8 [N, K]. scale, minimum: float32 [N, K / 32].
+// value j + 16 in its high one). 8 bits: int8 [N, K]. scale, minimum: float32 or float16 [N, K / 32].
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -278,14 +278,63 @@ inline float hsum(__m256 v) {
 }
 #endif
 
+// Weight scales and minimums come as float32 or as float16, a GGUF's own (Q4_0, Q4_1, Q8_0 store them so, and a
+// float16 value widens exactly): half the bytes, which a one-row decode step, reading the weights from memory,
+// waits on (4-bit bytes 53 MB, their float32 scales and minimums another 27 MB, for the default model).
+inline float to_float(float v) { return v; }
+inline float to_float(at::Half v) {
+#ifdef __F16C__
+  return _cvtsh_ss(v.x);
+#else
+  return static_cast<float>(v);
+#endif
+}
+
+#ifdef GROUP_GEMM_AVX2
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::Half* p) {
+#ifdef __F16C__
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  float v[8];
+  for (int i = 0; i < 8; ++i) v[i] = to_float(p[i]);
+  return _mm256_loadu_ps(v);
+#endif
+}
+// two values into lanes 0 and 1
+inline __m128 load2(const float* p) { return _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(p))); }
+inline __m128 load2(const at::Half* p) {
+#ifdef __F16C__
+  int32_t bits;
+  std::memcpy(&bits, p, sizeof bits);
+  return _mm_cvtph_ps(_mm_cvtsi32_si128(bits));
+#else
+  return _mm_setr_ps(to_float(p[0]), to_float(p[1]), 0.0f, 0.0f);
+#endif
+}
+#endif
+
+#ifdef GROUP_GEMM_AVX512
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+// the first `count` (1..4) of four values, zeros after
+inline __m128 load4(const float* p, int64_t count) {
+  return count == 4 ? _mm_loadu_ps(p) : _mm_maskz_loadu_ps((1 << count) - 1, p);
+}
+inline __m128 load4(const at::Half* p, int64_t count) {
+  return _mm_cvtph_ps(count == 4 ? _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))
+                                 : _mm_maskz_loadu_epi16((1 << count) - 1, p));
+}
+#endif
+
 constexpr int64_t group_bytes(int bits) { return bits == 4 ? kGroup / 2 : kGroup; }
 
 #ifdef GROUP_GEMM_AVX512
 // One pair of groups (g, g + 1) of a weight row as int16, in the paired order of the activations (see
 // QuantizedRows), and its scales, each repeated over the 8 int32 lanes its sums land in. Without Both, g is the last
 // (odd) group and g + 1 reads as zeros.
-template <int Bits, bool Both>
-inline void load_pair(const uint8_t* q, const float* scale, int64_t g, __m512i& wa, __m512i& wb, __m512& d) {
+template <int Bits, bool Both, typename S>
+inline void load_pair(const uint8_t* q, const S* scale, int64_t g, __m512i& wa, __m512i& wb, __m512& d) {
   if constexpr (Bits == 4) {
     const uint8_t* qg = q + g * 16;
     const __m256i packed = Both ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qg))
@@ -304,8 +353,7 @@ inline void load_pair(const uint8_t* q, const float* scale, int64_t g, __m512i& 
     wa = _mm512_cvtepi8_epi16(halves_of(0));
     wb = _mm512_cvtepi8_epi16(halves_of(16));
   }
-  const __m128 two = Both ? _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(scale + g)))
-                          : _mm_load_ss(scale + g);
+  const __m128 two = Both ? load2(scale + g) : _mm_set_ss(to_float(scale[g]));
   const __m512i halves = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
   d = _mm512_permutexvar_ps(halves, _mm512_castps128_ps512(two));
 }
@@ -319,19 +367,19 @@ struct Sums {
     for (int r = 0; r < R; ++r)
       for (int w = 0; w < W; ++w) acc[r][w] = _mm512_setzero_ps();
   }
-  template <typename T>
-  void store(int64_t groups, const float* xs, const float* minimum, T* y, int64_t ldy) const {
+  template <typename T, typename S>
+  void store(int64_t groups, const float* xs, const S* minimum, T* y, int64_t ldy) const {
     for (int r = 0; r < R; ++r) {
       for (int w = 0; w < W; ++w) {
         __m512 total = acc[r][w];
         float tail = 0.0f;
         if (minimum) {  // sum over groups of minimum * (the group's sum of x)
-          const float* mw = minimum + w * groups;
+          const S* mw = minimum + w * groups;
           const float* xsr = xs + r * groups;
           int64_t g = 0;
           for (; g + 16 <= groups; g += 16)
-            total = _mm512_fmadd_ps(_mm512_loadu_ps(mw + g), _mm512_loadu_ps(xsr + g), total);
-          for (; g < groups; ++g) tail += mw[g] * xsr[g];
+            total = _mm512_fmadd_ps(load16(mw + g), _mm512_loadu_ps(xsr + g), total);
+          for (; g < groups; ++g) tail += to_float(mw[g]) * xsr[g];
         }
         y[r * ldy + w] = static_cast<T>(_mm512_reduce_add_ps(total) + tail);
       }
@@ -342,9 +390,9 @@ struct Sums {
 // 4 bits: R rows of x (NibbleQuads layout) against W consecutive weight rows, four groups per pass: their 64 packed
 // bytes read as 32 words and each word's four nibbles masked in place (no widening shuffle), so that one int32
 // conversion, one multiply of scales and one FMA per row cover four groups rather than two.
-template <int R, int W, typename T>
+template <int R, int W, typename T, typename S>
 void nibble_tile(const int16_t* xq, int64_t ldq, const float* xs, const float* xd, int64_t ldd, int64_t K,
-                 const uint8_t* q, int64_t ldw, const float* scale, const float* minimum, T* y, int64_t ldy) {
+                 const uint8_t* q, int64_t ldw, const S* scale, const S* minimum, T* y, int64_t ldy) {
   const int64_t groups = K / kGroup;
   Sums<R, W> sums;
   const __m512i nibble = _mm512_set1_epi16(0x000F);
@@ -354,10 +402,10 @@ void nibble_tile(const int16_t* xq, int64_t ldq, const float* xs, const float* x
     __m512 d[W];
     for (int w = 0; w < W; ++w) {
       const uint8_t* qu = q + w * ldw + u * 64;
-      const float* su = scale + w * groups + u * 4;
+      const S* su = scale + w * groups + u * 4;
       const __m512i words = count == 4 ? _mm512_loadu_si512(qu)
                                        : _mm512_maskz_loadu_epi8((__mmask64{1} << (count * 16)) - 1, qu);
-      const __m128 four = count == 4 ? _mm_loadu_ps(su) : _mm_maskz_loadu_ps((1 << count) - 1, su);
+      const __m128 four = load4(su, count);
       v0[w] = _mm512_and_si512(words, nibble);
       v1[w] = _mm512_and_si512(_mm512_srli_epi16(words, 4), nibble);
       v2[w] = _mm512_and_si512(_mm512_srli_epi16(words, 8), nibble);
@@ -383,9 +431,9 @@ void nibble_tile(const int16_t* xq, int64_t ldq, const float* xs, const float* x
 }
 
 // R rows of x (Paired512 layout) against W consecutive weight rows, a pair of groups per pass.
-template <int Bits, int R, int W, typename T>
+template <int Bits, int R, int W, typename T, typename S>
 void pair_tile(const int16_t* xq, int64_t ldq, const float* xs, const float* xd, int64_t ldd, int64_t K,
-               const uint8_t* q, int64_t ldw, const float* scale, const float* minimum, T* y, int64_t ldy) {
+               const uint8_t* q, int64_t ldw, const S* scale, const S* minimum, T* y, int64_t ldy) {
   const int64_t groups = K / kGroup;
   Sums<R, W> sums;
   auto pass = [&](int64_t p, auto both) {
@@ -411,9 +459,9 @@ void pair_tile(const int16_t* xq, int64_t ldq, const float* xs, const float* xd,
 
 // R rows of x (ByteRows) against W consecutive 8-bit weight rows, four groups per pass: their 128 bytes, the first
 // and second halves of each group gathered by two lane shuffles.
-template <int R, int W, typename T>
+template <int R, int W, typename T, typename S>
 void byte_quad_tile(const int8_t* xq, int64_t ldq, const float* xs, const float* xd, int64_t ldd, int64_t K,
-                    const uint8_t* q, int64_t ldw, const float* scale, T* y, int64_t ldy) {
+                    const uint8_t* q, int64_t ldw, const S* scale, T* y, int64_t ldy) {
   const int64_t groups = K / kGroup;
   Sums<R, W> sums;
   const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
@@ -429,8 +477,8 @@ void byte_quad_tile(const int8_t* xq, int64_t ldq, const float* xs, const float*
                                      : _mm512_maskz_loadu_epi8((__mmask64{1} << second) - 1, qu + 64);
       lo[w] = _mm512_xor_si512(_mm512_shuffle_i64x2(a, b, _MM_SHUFFLE(2, 0, 2, 0)), bias);
       hi[w] = _mm512_xor_si512(_mm512_shuffle_i64x2(a, b, _MM_SHUFFLE(3, 1, 3, 1)), bias);
-      const float* su = scale + w * groups + u * 4;
-      const __m128 four = count == 4 ? _mm_loadu_ps(su) : _mm_maskz_loadu_ps((1 << count) - 1, su);
+      const S* su = scale + w * groups + u * 4;
+      const __m128 four = load4(su, count);
       d[w] = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(four));
     }
     for (int r = 0; r < R; ++r) {
@@ -459,20 +507,20 @@ struct Sums {
       for (int w = 0; w < W; ++w)
         for (int c = 0; c < Chains; ++c) acc[r][w][c] = _mm256_setzero_ps();
   }
-  template <typename T>
-  void store(int64_t groups, const float* xs, const float* minimum, T* y, int64_t ldy) const {
+  template <typename T, typename S>
+  void store(int64_t groups, const float* xs, const S* minimum, T* y, int64_t ldy) const {
     for (int r = 0; r < R; ++r) {
       for (int w = 0; w < W; ++w) {
         __m256 total = acc[r][w][0];
         if constexpr (Chains == 2) total = _mm256_add_ps(total, acc[r][w][1]);
         float tail = 0.0f;
         if (minimum) {  // sum over groups of minimum * (the group's sum of x)
-          const float* mw = minimum + w * groups;
+          const S* mw = minimum + w * groups;
           const float* xsr = xs + r * groups;
           int64_t j = 0;
           for (; j + 8 <= groups; j += 8)
-            total = _mm256_fmadd_ps(_mm256_loadu_ps(mw + j), _mm256_loadu_ps(xsr + j), total);
-          for (; j < groups; ++j) tail += mw[j] * xsr[j];
+            total = _mm256_fmadd_ps(load8(mw + j), _mm256_loadu_ps(xsr + j), total);
+          for (; j < groups; ++j) tail += to_float(mw[j]) * xsr[j];
         }
         y[r * ldy + w] = static_cast<T>(hsum(total) + tail);
       }
@@ -481,9 +529,9 @@ struct Sums {
 };
 
 // 4 bits: R rows of x (NibbleWords layout) against W consecutive weight rows, a pair of groups per pass.
-template <int R, int W, typename T>
+template <int R, int W, typename T, typename S>
 void nibble_tile(const int16_t* xq, int64_t ldq, const float* xs, const float* xd, int64_t ldd, int64_t K,
-                 const uint8_t* q, int64_t ldw, const float* scale, const float* minimum, T* y, int64_t ldy) {
+                 const uint8_t* q, int64_t ldw, const S* scale, const S* minimum, T* y, int64_t ldy) {
   const int64_t groups = K / kGroup;
   constexpr int Chains = R * W >= 4 ? 1 : 2;
   Sums<R, W, Chains> sums;
@@ -498,10 +546,9 @@ void nibble_tile(const int16_t* xq, int64_t ldq, const float* xs, const float* x
                                  : _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qp)));
       const __m256i v0 = _mm256_and_si256(words, nibble), v1 = _mm256_and_si256(_mm256_srli_epi16(words, 4), nibble);
       const __m256i v2 = _mm256_and_si256(_mm256_srli_epi16(words, 8), nibble), v3 = _mm256_srli_epi16(words, 12);
-      const float* sw = scale + w * groups + 2 * p;
-      const __m256 d = Both ? _mm256_permutevar8x32_ps(
-                                  _mm256_castpd_ps(_mm256_broadcast_sd(reinterpret_cast<const double*>(sw))), halves)
-                            : _mm256_broadcast_ss(sw);
+      const S* sw = scale + w * groups + 2 * p;
+      const __m256 d = Both ? _mm256_permutevar8x32_ps(_mm256_castps128_ps256(load2(sw)), halves)
+                            : _mm256_set1_ps(to_float(sw[0]));
       for (int r = 0; r < R; ++r) {
         const __m256i* xr = reinterpret_cast<const __m256i*>(xq + r * ldq + p * 64);
         const __m256i low = _mm256_add_epi32(_mm256_madd_epi16(v0, _mm256_loadu_si256(xr)),
@@ -526,9 +573,9 @@ void nibble_tile(const int16_t* xq, int64_t ldq, const float* xs, const float* x
 }
 
 // 8 bits: R rows of x (plain layout) against W consecutive weight rows, a group per pass.
-template <int R, int W, typename T>
+template <int R, int W, typename T, typename S>
 void byte_tile(const int16_t* xq, int64_t ldq, const float* xs, const float* xd, int64_t ldd, int64_t K,
-               const uint8_t* q, int64_t ldw, const float* scale, const float* minimum, T* y, int64_t ldy) {
+               const uint8_t* q, int64_t ldw, const S* scale, const S* minimum, T* y, int64_t ldy) {
   const int64_t groups = K / kGroup;
   constexpr int Chains = R * W >= 4 ? 1 : 2;
   Sums<R, W, Chains> sums;
@@ -537,7 +584,7 @@ void byte_tile(const int16_t* xq, int64_t ldq, const float* xs, const float* xd,
     for (int w = 0; w < W; ++w) {
       const __m128i* qg = reinterpret_cast<const __m128i*>(q + w * ldw + g * 32);
       const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(qg)), w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(qg + 1));
-      const __m256 d = _mm256_broadcast_ss(scale + w * groups + g);
+      const __m256 d = _mm256_set1_ps(to_float(scale[w * groups + g]));
       for (int r = 0; r < R; ++r) {
         const __m256i* xr = reinterpret_cast<const __m256i*>(xq + r * ldq + g * kGroup);
         const __m256i sum = _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256(xr)),
@@ -558,9 +605,9 @@ void byte_tile(const int16_t* xq, int64_t ldq, const float* xs, const float* xd,
 #endif
 
 // R rows of x (quantized) against W consecutive weight rows: y[r * ldy + w].
-template <int Bits, int R, int W, typename T>
+template <int Bits, int R, int W, typename T, typename S>
 void dot_tile(Layout layout, const int16_t* xq, int64_t ldq, const float* xs, const float* xd, int64_t ldd, int64_t K,
-              const uint8_t* q, int64_t ldw, const float* scale, const float* minimum, T* y, int64_t ldy) {
+              const uint8_t* q, int64_t ldw, const S* scale, const S* minimum, T* y, int64_t ldy) {
 #if defined(GROUP_GEMM_AVX512)
   if (Bits == 4 && layout == Layout::NibbleQuads) {
     nibble_tile<R, W, T>(xq, ldq, xs, xd, ldd, K, q, ldw, scale, minimum, y, ldy);
@@ -578,7 +625,7 @@ void dot_tile(Layout layout, const int16_t* xq, int64_t ldq, const float* xs, co
   for (int r = 0; r < R; ++r) {
     for (int w = 0; w < W; ++w) {
       const uint8_t* qw = q + w * ldw;
-      const float* sw = scale + w * groups;
+      const S* sw = scale + w * groups;
       float total = 0.0f;
       for (int64_t g = 0; g < groups; ++g) {
         int32_t sum = 0;
@@ -591,8 +638,8 @@ void dot_tile(Layout layout, const int16_t* xq, int64_t ldq, const float* xs, co
           }
           sum += v * xq[r * ldq + g * kGroup + j];
         }
-        total += static_cast<float>(sum) * sw[g] * xd[r * ldd + g];
-        if (minimum) total += minimum[w * groups + g] * xs[r * groups + g];
+        total += static_cast<float>(sum) * to_float(sw[g]) * xd[r * ldd + g];
+        if (minimum) total += to_float(minimum[w * groups + g]) * xs[r * groups + g];
       }
       y[r * ldy + w] = static_cast<T>(total);
     }
@@ -614,8 +661,8 @@ constexpr int kTileWidth = Bits == 8 ? 1 : R == 1 ? 4 : R == 2 ? 2 : 1;
 #endif
 
 // R rows of x (QuantizedRows or ByteRows) against weight rows [begin, end).
-template <int Bits, int R, typename T, typename Rows>
-void rows_pass(const Rows& x, int64_t m, const uint8_t* q, const float* scale, const float* minimum, int64_t begin,
+template <int Bits, int R, typename T, typename Rows, typename S>
+void rows_pass(const Rows& x, int64_t m, const uint8_t* q, const S* scale, const S* minimum, int64_t begin,
                int64_t end, int64_t N, int64_t K, T* y) {
   const int64_t groups = K / kGroup, row_bytes = groups * group_bytes(Bits);
   const auto* xq = x.q.data() + m * x.ldq;
@@ -623,7 +670,7 @@ void rows_pass(const Rows& x, int64_t m, const uint8_t* q, const float* scale, c
   const float* xd = x.scale.data() + m * x.ldd;
   auto tile = [&](int64_t n, auto width) {
     constexpr int W = decltype(width)::value;
-    const float* mn = minimum ? minimum + n * groups : nullptr;
+    const S* mn = minimum ? minimum + n * groups : nullptr;
 #ifdef GROUP_GEMM_AVX512
     if constexpr (std::is_same_v<Rows, ByteRows>) {
       byte_quad_tile<R, W, T>(xq, x.ldq, xs, xd, x.ldd, K, q + n * row_bytes, row_bytes, scale + n * groups,
@@ -642,8 +689,8 @@ void rows_pass(const Rows& x, int64_t m, const uint8_t* q, const float* scale, c
   for (; n < end; ++n) tile(n, std::integral_constant<int, 1>{});
 }
 
-template <int Bits, typename T, typename Rows>
-void gemm(const Rows& x, int64_t M, const uint8_t* q, const float* scale, const float* minimum, int64_t N, int64_t K,
+template <int Bits, typename T, typename Rows, typename S>
+void gemm(const Rows& x, int64_t M, const uint8_t* q, const S* scale, const S* minimum, int64_t N, int64_t K,
           T* y) {
   at::parallel_for(0, N, kBlock, [&](int64_t begin, int64_t end) {
     // a block of weight rows for each pass of rows of x: the pass's activations stay in L1 across the block
@@ -670,10 +717,10 @@ void gemm(const Rows& x, int64_t M, const uint8_t* q, const float* scale, const 
 }
 
 // One weight row -> K floats.
-template <int Bits>
-void dequantize_row(const uint8_t* q, const float* scale, const float* minimum, int64_t K, float* out) {
+template <int Bits, typename S>
+void dequantize_row(const uint8_t* q, const S* scale, const S* minimum, int64_t K, float* out) {
   for (int64_t g = 0; g < K / kGroup; ++g) {
-    const float d = scale[g], m = minimum ? minimum[g] : 0.0f;
+    const float d = to_float(scale[g]), m = minimum ? to_float(minimum[g]) : 0.0f;
     const uint8_t* qg = q + g * group_bytes(Bits);
     float* o = out + g * kGroup;
 #ifdef GROUP_GEMM_AVX2
@@ -712,15 +759,15 @@ inline void to_bfloat16(const float* in, int64_t n, at::BFloat16* out) {
 
 // One weight row -> K values of T: bfloat16 straight from the groups where the CPU converts natively (a float row
 // then a conversion pass took twice as long: ~28 ms of each 256-token prompt step here), else through float.
-template <int Bits, typename T>
-void dequantize_row_as(const uint8_t* q, const float* scale, const float* minimum, int64_t K, T* out,
+template <int Bits, typename T, typename S>
+void dequantize_row_as(const uint8_t* q, const S* scale, const S* minimum, int64_t K, T* out,
                        std::vector<float>& row) {
   if constexpr (std::is_same_v<T, float>) {
     dequantize_row<Bits>(q, scale, minimum, K, out);
   } else {
 #if defined(GROUP_GEMM_AVX512) && defined(__AVX512BF16__)
     for (int64_t g = 0; g < K / kGroup; ++g) {
-      const __m512 d = _mm512_set1_ps(scale[g]), m = _mm512_set1_ps(minimum ? minimum[g] : 0.0f);
+      const __m512 d = _mm512_set1_ps(to_float(scale[g])), m = _mm512_set1_ps(minimum ? to_float(minimum[g]) : 0.0f);
       const uint8_t* qg = q + g * group_bytes(Bits);
       __m512i first, second;  // values 0..15 and 16..31 as int32
       if constexpr (Bits == 4) {
@@ -763,8 +810,8 @@ at::Tensor dense_scratch(int64_t N, int64_t K, const at::TensorOptions& options)
   return buffer.narrow(0, 0, N * K).view({N, K});
 }
 
-template <int Bits, typename T>
-void gemm_tiled(const at::Tensor& x, const uint8_t* q, const float* scale, const float* minimum, int64_t N,
+template <int Bits, typename T, typename S>
+void gemm_tiled(const at::Tensor& x, const uint8_t* q, const S* scale, const S* minimum, int64_t N,
                 at::Tensor& y) {
   const int64_t K = x.size(1), groups = K / kGroup, row_bytes = groups * group_bytes(Bits);
   if (N * K * static_cast<int64_t>(sizeof(T)) <= kWholeBytes) {
@@ -841,8 +888,8 @@ int64_t fused_max_rows(int64_t bits) {
 // pairs AMX reads ([K / 2][M][2]), its B. A decode step then costs one dequantization of the weights, nearly
 // whatever its row count (about half the time of 16 rows; the micro-kernel the rest).
 #if defined(GROUP_GEMM_AVX512) && defined(__AVX512BF16__)
-template <int Bits, typename T>
-void gemm_amx(const T* x, int64_t M, int64_t K, const uint8_t* q, const float* scale, const float* minimum, int64_t N,
+template <int Bits, typename T, typename S>
+void gemm_amx(const T* x, int64_t M, int64_t K, const uint8_t* q, const S* scale, const S* minimum, int64_t N,
               T* y) {
   const int64_t groups = K / kGroup, row_bytes = groups * group_bytes(Bits);
   thread_local std::vector<uint32_t> packed;  // bfloat16 pairs (k, k + 1) of row m at [k / 2][m]
@@ -891,32 +938,13 @@ void gemm_amx(const T* x, int64_t M, int64_t K, const uint8_t* q, const float* s
 }
 #endif
 
-at::Tensor group_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
-                        const c10::optional<at::Tensor>& minimum, int64_t bits) {
-  TORCH_CHECK(bits == 4 || bits == 8, "group_linear: bits must be 4 or 8");
-  const bool bf16 = x.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || bf16),
-              "group_linear: x must be float32 or bfloat16 [M, K]");
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.dim() == 2, "group_linear: scale must be float32 [N, K/32]");
-  const int64_t M = x.size(0), K = x.size(1), N = scale.size(0);
-  TORCH_CHECK(K % kGroup == 0 && scale.size(1) == K / kGroup, "group_linear: K must be whole groups of 32");
-  TORCH_CHECK(q.size(0) == N && q.size(1) == (bits == 4 ? K / 2 : K) && q.element_size() == 1,
-              "group_linear: q has the wrong shape");
-  const float* mn = nullptr;
-  at::Tensor min_c;
-  if (minimum.has_value() && minimum->defined()) {
-    TORCH_CHECK(minimum->sizes() == scale.sizes() && minimum->scalar_type() == at::kFloat,
-                "group_linear: minimum must match scale");
-    min_c = minimum->contiguous();
-    mn = min_c.data_ptr<float>();
-  }
-  const at::Tensor xc = x.contiguous(), qc = q.contiguous(), sc = scale.contiguous();
-  at::Tensor y = at::empty({M, N}, x.options());
-  if (M == 0) return y;
-  const auto* qp = static_cast<const uint8_t*>(qc.data_ptr());
+// y = x W^T with S the scales' and minimums' type (float or at::Half); mn null for symmetric weights
+template <typename S>
+void group_linear_into(const at::Tensor& xc, const uint8_t* qp, const S* sp, const S* mn, int64_t bits, at::Tensor& y) {
+  const bool bf16 = xc.scalar_type() == at::kBFloat16;
+  const int64_t M = xc.size(0), K = xc.size(1), N = y.size(1);
 #if defined(GROUP_GEMM_AVX512) && defined(__AVX512BF16__)
   if (amx_takes(M)) {
-    const float* sp = sc.data_ptr<float>();
     if (bf16) {
       const auto* xp = xc.data_ptr<at::BFloat16>();
       auto* yp = y.data_ptr<at::BFloat16>();
@@ -926,7 +954,7 @@ at::Tensor group_linear(const at::Tensor& x, const at::Tensor& q, const at::Tens
       if (bits == 4) gemm_amx<4>(xc.data_ptr<float>(), M, K, qp, sp, mn, N, y.data_ptr<float>());
       else gemm_amx<8>(xc.data_ptr<float>(), M, K, qp, sp, mn, N, y.data_ptr<float>());
     }
-    return y;
+    return;
   }
 #endif
   if (M > fused_max_rows(bits)) {
@@ -934,26 +962,25 @@ at::Tensor group_linear(const at::Tensor& x, const at::Tensor& q, const at::Tens
     // few-row path, which every decode step takes, keeps float32 activations
     if (bf16 || bfloat16_prompts()) {
       const at::Tensor xb = xc.to(at::kBFloat16);  // no copy when x is bfloat16 already
-      at::Tensor yb = bf16 ? y : at::empty({M, N}, x.options().dtype(at::kBFloat16));
-      if (bits == 4) gemm_tiled<4, at::BFloat16>(xb, qp, sc.data_ptr<float>(), mn, N, yb);
-      else gemm_tiled<8, at::BFloat16>(xb, qp, sc.data_ptr<float>(), mn, N, yb);
+      at::Tensor yb = bf16 ? y : at::empty({M, N}, xc.options().dtype(at::kBFloat16));
+      if (bits == 4) gemm_tiled<4, at::BFloat16>(xb, qp, sp, mn, N, yb);
+      else gemm_tiled<8, at::BFloat16>(xb, qp, sp, mn, N, yb);
       if (!bf16) y.copy_(yb);
     } else {
-      if (bits == 4) gemm_tiled<4, float>(xc, qp, sc.data_ptr<float>(), mn, N, y);
-      else gemm_tiled<8, float>(xc, qp, sc.data_ptr<float>(), mn, N, y);
+      if (bits == 4) gemm_tiled<4, float>(xc, qp, sp, mn, N, y);
+      else gemm_tiled<8, float>(xc, qp, sp, mn, N, y);
     }
-    return y;
+    return;
   }
   // few rows: widened to float (exact from bfloat16), quantized per group (int16; int8 for 8-bit weights from
   // kByteRows rows), summed in float32
   const at::Tensor x32 = bf16 ? xc.to(at::kFloat) : xc;
-  const float* sp = sc.data_ptr<float>();
 #ifdef GROUP_GEMM_AVX512
   if (bits == 8 && M >= kByteRows) {
     const ByteRows rows = quantize_bytes(x32.data_ptr<float>(), M, K);
     if (bf16) gemm<8>(rows, M, qp, sp, mn, N, K, y.data_ptr<at::BFloat16>());
     else gemm<8>(rows, M, qp, sp, mn, N, K, y.data_ptr<float>());
-    return y;
+    return;
   }
 #endif
   const QuantizedRows rows = quantize_rows(x32.data_ptr<float>(), M, K, layout_for(bits, M));
@@ -963,6 +990,34 @@ at::Tensor group_linear(const at::Tensor& x, const at::Tensor& q, const at::Tens
   } else {
     if (bits == 4) gemm<4>(rows, M, qp, sp, mn, N, K, y.data_ptr<float>());
     else gemm<8>(rows, M, qp, sp, mn, N, K, y.data_ptr<float>());
+  }
+}
+
+at::Tensor group_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
+                        const c10::optional<at::Tensor>& minimum, int64_t bits) {
+  TORCH_CHECK(bits == 4 || bits == 8, "group_linear: bits must be 4 or 8");
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "group_linear: x must be float32 or bfloat16 [M, K]");
+  const bool half = scale.scalar_type() == at::kHalf;
+  TORCH_CHECK((scale.scalar_type() == at::kFloat || half) && scale.dim() == 2,
+              "group_linear: scale must be float32 or float16 [N, K/32]");
+  const int64_t M = x.size(0), K = x.size(1), N = scale.size(0);
+  TORCH_CHECK(K % kGroup == 0 && scale.size(1) == K / kGroup, "group_linear: K must be whole groups of 32");
+  TORCH_CHECK(q.size(0) == N && q.size(1) == (bits == 4 ? K / 2 : K) && q.element_size() == 1,
+              "group_linear: q has the wrong shape");
+  const bool has_minimum = minimum.has_value() && minimum->defined();
+  TORCH_CHECK(!has_minimum || (minimum->sizes() == scale.sizes() && minimum->scalar_type() == scale.scalar_type()),
+              "group_linear: minimum must match scale's shape and dtype");
+  const at::Tensor xc = x.contiguous(), qc = q.contiguous(), sc = scale.contiguous();
+  const at::Tensor min_c = has_minimum ? minimum->contiguous() : at::Tensor();
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0) return y;
+  const auto* qp = static_cast<const uint8_t*>(qc.data_ptr());
+  if (half) {
+    group_linear_into<at::Half>(xc, qp, sc.data_ptr<at::Half>(), has_minimum ? min_c.data_ptr<at::Half>() : nullptr,
+                                bits, y);
+  } else {
+    group_linear_into<float>(xc, qp, sc.data_ptr<float>(), has_minimum ? min_c.data_ptr<float>() : nullptr, bits, y);
   }
   return y;
 }

@@ -57,9 +57,16 @@ def int8_per_row(weight: torch.Tensor | GroupQuantized) -> tuple[torch.Tensor, t
     return q, scales
 
 
+def kernel_scales(t: torch.Tensor) -> torch.Tensor:
+    """Scales or minimums as our kernel reads them: float16 (a GGUF's own) or float32 kept as they are, held once
+    (a tied embedding and LM head share one tensor), anything else widened to float32."""
+    return (t if t.dtype in (torch.float16, torch.float32) else t.float()).contiguous()
+
+
 class GroupLinear(WeightOnlyLinear):
     """A checkpoint's own groups (or a float weight's, grouped at load) through our kernel (group_kernels.py):
-    float32 scales and minimums, float32 sums; 4-bit values packed two to a byte, 8-bit ones as they are."""
+    scales and minimums in float32, or float16 where the checkpoint stores them so, float32 sums; 4-bit values packed
+    two to a byte, 8-bit ones as they are."""
 
     weight: torch.Tensor  # buffers (register_buffer below)
     scale: torch.Tensor
@@ -70,8 +77,8 @@ class GroupLinear(WeightOnlyLinear):
         self.bits = weight.bits
         q = weight.data if weight.bits == 4 else weight.data.to(torch.int8)
         self.register_buffer("weight", q.contiguous())
-        self.register_buffer("scale", weight.scale.float().contiguous())
-        self.register_buffer("minimum", None if weight.minimum is None else weight.minimum.float().contiguous())
+        self.register_buffer("scale", kernel_scales(weight.scale))
+        self.register_buffer("minimum", None if weight.minimum is None else kernel_scales(weight.minimum))
 
     @staticmethod
     def supports(linear: nn.Linear) -> bool:
@@ -134,12 +141,13 @@ class Int4Linear(WeightOnlyLinear):
         """weight: a checkpoint's own 4-bit tensor to use instead of quantizing linear's weight."""
         super().__init__(linear)
         g = weight if weight is not None else GroupQuantized.int4_from_float(linear.weight)
-        minimum = g.minimum if g.minimum is not None else torch.zeros_like(g.scale)
+        scale = g.scale.float()
+        minimum = g.minimum.float() if g.minimum is not None else torch.zeros_like(scale)
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(g.q.to(torch.int32), 1)  # [out, in/2] uint8
         self.register_buffer("weight", packed)
-        zero = minimum + 8 * g.scale
+        zero = minimum + 8 * scale
         self.register_buffer(
-            "scales_and_zeros", torch.stack([g.scale, zero], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
+            "scales_and_zeros", torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
         )
 
     @staticmethod
@@ -192,12 +200,12 @@ class GroupEmbedding(nn.Module):
     def __init__(self, weight: GroupQuantized, dtype: torch.dtype) -> None:
         super().__init__()
         self.register_buffer("weight", weight.data.to(torch.int8))  # [vocab, hidden]
-        self.register_buffer("scale", weight.scale.float().contiguous())  # [vocab, hidden / 32]
+        self.register_buffer("scale", kernel_scales(weight.scale))  # [vocab, hidden / 32]
         self.dtype = dtype
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         q = self.weight[ids].float()
-        rows = q.view(*q.shape[:-1], -1, GROUP) * self.scale[ids][..., None]
+        rows = q.view(*q.shape[:-1], -1, GROUP) * self.scale[ids].float()[..., None]
         return rows.view(q.shape).to(self.dtype)
 
     def extra_repr(self) -> str:

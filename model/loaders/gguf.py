@@ -220,9 +220,15 @@ class GGUFFile:
 
 
 def _blocks(data: torch.Tensor, block_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """[rows, bytes] uint8 -> ([rows, blocks, block_bytes] uint8, the blocks' leading float16 scale as float32)."""
+    """[rows, bytes] uint8 -> ([rows, blocks, block_bytes] uint8, the blocks' leading float16 scale), kept float16:
+    our kernel reads it so, in half the bytes of float32."""
     blocks = data.view(data.shape[0], -1, block_bytes)
-    return blocks, blocks[..., :2].contiguous().view(torch.float16)[..., 0].float()
+    return blocks, _halves(blocks, 0)
+
+
+def _halves(blocks: torch.Tensor, at: int) -> torch.Tensor:
+    """The float16 at byte `at` of every block, [rows, blocks]."""
+    return blocks[..., at : at + 2].contiguous().view(torch.float16)[..., 0]
 
 
 def _nibbles(blocks: torch.Tensor) -> torch.Tensor:
@@ -234,13 +240,17 @@ def _nibbles(blocks: torch.Tensor) -> torch.Tensor:
 def unpack_q4_0(data: torch.Tensor) -> GroupQuantized:
     # 18-byte blocks: d, then 16 bytes of nibbles; w = d * (q - 8)
     blocks, d = _blocks(data, 18)
-    return GroupQuantized(4, _nibbles(blocks[..., 2:]), d, -8 * d)
+    minimum = -8 * d  # exact in float16 (a power of two), unless it overflows there
+    if not bool(torch.isfinite(minimum).all()):
+        d = d.float()
+        minimum = -8 * d
+    return GroupQuantized(4, _nibbles(blocks[..., 2:]), d, minimum)
 
 
 def unpack_q4_1(data: torch.Tensor) -> GroupQuantized:
     # 20-byte blocks: d, m, then 16 bytes of nibbles; w = d * q + m
     blocks, d = _blocks(data, 20)
-    m = blocks[..., 2:4].contiguous().view(torch.float16)[..., 0].float()
+    m = _halves(blocks, 2)
     return GroupQuantized(4, _nibbles(blocks[..., 4:]), d, m)
 
 

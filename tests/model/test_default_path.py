@@ -39,8 +39,9 @@ def test_auto_runs_every_matrix_on_the_files_own_bits(auto_decoder: torch.nn.Mod
     linears = [m for name, m in auto_decoder.named_modules() if name.startswith("layers.") and hasattr(m, "matmul")]
     assert len(linears) == 30 * 4
     # the Q8_0 embedding is the tied LM head: one int8 tensor for both
-    if group_kernels.load():  # our kernel: the file's own groups, float32 scales
+    if group_kernels.load():  # our kernel: the file's own groups and float16 scales and minimums, as stored
         assert all(isinstance(m, GroupLinear) and m.bits == 4 for m in linears)
+        assert all(m.scale.dtype == m.minimum.dtype == torch.float16 for m in linears)
         assert isinstance(auto_decoder.embed_tokens, GroupEmbedding) and isinstance(auto_decoder.lm_head, GroupLinear)
         assert auto_decoder.embed_tokens.scale is auto_decoder.lm_head.scale
     else:
@@ -60,7 +61,7 @@ def test_int4_layer_computes_the_files_weights(auto_decoder: torch.nn.Module, de
     got = layer(identity)[:, :576].float().T  # row i of the identity reads input column i of every output row
     # torch's kernel keeps scales and zeros in bfloat16 (2**-9 relative each); both round the output to bfloat16
     block_scale = reference.view(576, -1, 32).abs().amax(-1).repeat_interleave(32, dim=1)
-    if isinstance(layer, GroupLinear):  # float32 scales: only the output's rounding
+    if isinstance(layer, GroupLinear):  # the file's own float16 scales, read exactly: only the output's rounding
         bound = 2**-8 * reference.abs() + 1e-6
     else:
         bound = 2**-9 * (reference.abs() + 2 * block_scale) + 2**-8 * reference.abs() + 1e-6

@@ -75,6 +75,33 @@ def test_bfloat16_rows_come_back_in_bfloat16(bits: int, rows: int) -> None:
     assert bool(((out.double() - reference).abs() <= error_bound(x, weight.dequantize(), weight.bits)).all())
 
 
+@pytest.mark.parametrize("bits, with_minimum", [(4, True), (4, False), (8, False)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 16, 17, 40, 64, 70, 300])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_float16_scales_as_a_gguf_stores_them(bits: int, with_minimum: bool, rows: int, dtype: torch.dtype) -> None:
+    """A GGUF's own float16 scales and minimums, read as they are: the same product as their float32 widening on
+    every path, within the float64 reference's bound."""
+    weight = grouped(bits, 70, 160, with_minimum, seed=rows)
+    half = GroupQuantized(
+        bits, weight.data, weight.scale.half(), None if weight.minimum is None else weight.minimum.half()
+    )
+    widened = GroupQuantized(
+        bits, weight.data, half.scale.float(), None if half.minimum is None else half.minimum.float()
+    )
+    x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(rows)).to(dtype)
+    out = run(half, x)
+    assert out.dtype == dtype and out.shape == (rows, 70)
+    assert torch.equal(out, run(widened, x))
+    reference = x.double() @ widened.dequantize().double().T
+    assert bool(((out.double() - reference).abs() <= error_bound(x, widened.dequantize(), bits)).all())
+
+
+def test_rejects_a_minimum_of_another_dtype() -> None:
+    weight = grouped(4, 16, 64, True, seed=0)
+    with pytest.raises(RuntimeError, match="minimum must match"):
+        group_kernels.group_linear(torch.randn(1, 64), weight.data, weight.scale.half(), weight.minimum, 4)
+
+
 def test_pack_nibbles_is_ggmls_block_layout() -> None:
     q = torch.arange(64, dtype=torch.uint8).remainder(16).view(1, 64)
     packed = pack_nibbles(q)
