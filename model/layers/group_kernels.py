@@ -87,7 +87,7 @@ def load(cache_dir: str = "") -> bool:
                     else "the int16 path (int8 for 8-bit weights)"
                     if int8_rows()
                     else "the int16 path",
-                    "bfloat16" if bfloat16_prompts() else "float32",
+                    "bfloat16" if bfloat16_prompts() else "int16 (vpdpwssd)" if int16_prompts() else "float32",
                 )
             else:
                 log.warning("quantized linears: torch's int4/int8 kernels (bfloat16 scales): %s", why)
@@ -174,6 +174,12 @@ def amx_takes(rows: int) -> bool:
 def bfloat16_prompts() -> bool:
     """Whether more than fused_rows() float32 rows multiply in bfloat16 (a CPU with AVX512-BF16)."""
     return bool(torch.ops.llmserve_kernels.bfloat16_prompts())
+
+
+def int16_prompts() -> bool:
+    """Whether more than fused_rows() float32 rows (prompts), where they stay float32, multiply as int16 per group
+    with AVX512-VNNI (the fused path's rounding) rather than as dequantized float32 tiles through torch's GEMM."""
+    return bool(torch.ops.llmserve_kernels.int16_prompts()) and not bfloat16_prompts()
 
 
 def register_fake() -> None:

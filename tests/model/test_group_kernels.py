@@ -24,23 +24,27 @@ def grouped(bits: int, n: int, k: int, with_minimum: bool, seed: int) -> GroupQu
 
 
 def error_bound(x: torch.Tensor, weight: torch.Tensor, bits: int) -> torch.Tensor:
-    """Up to fused_rows(bits) rows, activations are rounded to int16 steps of their group's largest magnitude / 32767
-    (8-bit weights from int8_rows() rows: int8 steps, / 127): each by at most half a step, times the weights it
+    """Up to fused_rows(bits) rows (and float32 prompts where int16_prompts()), activations are rounded to int16
+    steps of their group's largest magnitude / 32767 (8-bit weights from int8_rows() up to fused_rows(8) rows: int8
+    steps, / 127): each by at most half a step, times the weights it
     multiplies; plus float32's rounding of the sums. bfloat16 rows: the output's own rounding (half an ulp, 2^-9
     relative) and, on the tiled path, each weight's; float32 rows on the tiled path of a CPU with AVX512-BF16, or on
     AMX's, round x as well."""
     rows, w = x.shape[0], weight.double().abs()
-    levels = 127 if bits == 8 and 0 < group_kernels.int8_rows() <= rows else 32767
-    step = x.double().abs().view(rows, -1, 32).amax(-1) / levels  # [rows, groups]
     amx = group_kernels.amx_takes(rows)
     fused = rows <= group_kernels.fused_rows(bits) and not amx
-    rounding = (step / 2) @ w.view(w.shape[0], -1, 32).sum(-1).T if fused else 0
+    int8 = fused and bits == 8 and 0 < group_kernels.int8_rows() <= rows
+    # float32 prompts where the CPU has AVX512-VNNI but neither AVX512-BF16 nor AMX: int16, as the fused path
+    int16_prompt = not fused and not amx and x.dtype == torch.float32 and group_kernels.int16_prompts()
+    step = x.double().abs().view(rows, -1, 32).amax(-1) / (127 if int8 else 32767)  # [rows, groups]
+    rounded = fused or int16_prompt
+    rounding = (step / 2) @ w.view(w.shape[0], -1, 32).sum(-1).T if rounded else 0
     magnitude = x.double().abs() @ w.T
     bound = rounding + 1e-6 * magnitude
     if x.dtype == torch.bfloat16:
         exact = x.double() @ weight.double().T
         bound = bound + exact.abs() * 2**-8 + (0 if fused else magnitude * 2**-8)
-    elif not fused and (amx or group_kernels.bfloat16_prompts()):  # x, the weights (and output) rounded to bfloat16
+    elif not rounded and (amx or group_kernels.bfloat16_prompts()):  # x, the weights (and output) rounded to bfloat16
         exact = x.double() @ weight.double().T
         bound = bound + exact.abs() * 2**-8 + magnitude * 2**-7
     return bound
@@ -51,7 +55,7 @@ def run(weight: GroupQuantized, x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("bits, with_minimum", [(4, True), (4, False), (8, False)])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 12, 13, 16, 17, 32, 33, 40, 64, 70])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 12, 13, 16, 17, 19, 32, 33, 40, 64, 70])
 # 3 groups (no full 8-wide pass over the minimums; an odd one), 5 (AVX512: a last pass of four holding one), 8, 18
 @pytest.mark.parametrize("k", [96, 160, 256, 576])
 def test_matches_float64_reference(bits: int, with_minimum: bool, rows: int, k: int) -> None:
