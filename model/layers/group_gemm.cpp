@@ -15,7 +15,7 @@
 // reads the 4-bit bytes once; 8-bit weights from kByteRows rows with AVX512-VNNI take int8 activations and vpdpbusd
 // instead (up to 64 rows without AMX). More rows (batched decode, prefill): tiles of weight rows are dequantized into a cache-sized
 // buffer and multiplied by torch's GEMM; or, on AVX512-VNNI where prompts stay float32 (neither AVX512-BF16 nor
-// AMX), from 6 rows of 4-bit weights (65 of 8-bit), unpacked to int16 and multiplied with vpdpwssd (gemm_vnni). With AMX a third takes 6 to 48 rows (batched decode): the weights
+// AMX), from 6 rows of 4-bit weights (9 of 8-bit), unpacked to int16 and multiplied with vpdpwssd (gemm_vnni). With AMX a third takes 6 to 48 rows (batched decode): the weights
 // dequantized to bfloat16 block by block and multiplied on AMX's tiles by oneDNN's brgemm micro-kernel (gemm_amx).
 //
 // Layouts: 4 bits: uint8 [N, K / 2], ggml's block layout (byte j of a group holds value j in its low nibble and
@@ -891,7 +891,7 @@ constexpr int64_t kAmxRows = 6, kAmxMaxRows = 48;
 bool amx_takes(int64_t rows) { return rows >= kAmxRows && rows <= kAmxMaxRows && amx_rows(); }
 
 // The most rows the fused path takes. 8-bit weights, without AMX and where prompts stay float32 (an Intel Xeon with
-// AVX512-VNNI): their int8 activations multiply the LM head 9.4 / 12.5 / 21.2 ms at 24 / 32 / 64 rows, where its
+// AVX512-VNNI) but not as int16 (LLMSERVE_INT16_PROMPTS=0): their int8 activations multiply the LM head 9.4 / 12.5 / 21.2 ms at 24 / 32 / 64 rows, where its
 // dequantized tiles through MKL's float32 GEMM take 14.6 / 16.4 / 26.2 (2 threads).
 constexpr int64_t kByteMaxRows = 64;
 
@@ -900,11 +900,14 @@ constexpr int64_t kByteMaxRows = 64;
 // model's four matrices faster (2 threads, Intel Xeon Ice Lake: 8 rows 545 / 636 us, 16 rows 662 / 1212 us a
 // layer; 3 rows 469 / 308)
 constexpr int64_t kVnniFusedRows = 5;
+// and 8-bit ones (the LM head, read from memory at few rows) from 9 rows: 16 rows 7.1 / 11.1 ms, 32 rows 10.1 /
+// 21.9, 8 rows 5.5 / 5.7 (int8 activations with vpdpbusd on the fused path)
+constexpr int64_t kVnniByteFusedRows = 8;
 
 int64_t fused_max_rows(int64_t bits) {
 #ifdef GROUP_GEMM_AVX512
+  if (int16_prompts()) return bits == 8 ? kVnniByteFusedRows : kVnniFusedRows;
   if (bits == 8 && !amx_rows() && !bfloat16_prompts()) return kByteMaxRows;
-  if (int16_prompts()) return kVnniFusedRows;
 #endif
   return kFusedRows;
 }
@@ -1045,19 +1048,25 @@ void vnni_tile(const int16_t* xq, int64_t ldq, const float* xd, const float* xs,
   for (int r = 0; r < R; ++r) f[r][0] = f[r][1] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     __m512i a[R][2];
-    for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = _mm512_setzero_si512();
     const int32_t* wg = wt + g * 16 * kVnniCols;
-#pragma GCC unroll 16
-    for (int p = 0; p < 16; ++p) {
+    auto pairs = [&](int p, auto first) {
       const __m512i w0 = _mm512_loadu_si512(wg + p * kVnniCols), w1 = _mm512_loadu_si512(wg + p * kVnniCols + 16);
       for (int r = 0; r < R; ++r) {
         int32_t pair;
         std::memcpy(&pair, xq + r * ldq + g * kGroup + 2 * p, sizeof pair);
         const __m512i b = _mm512_set1_epi32(pair);
-        a[r][0] = _mm512_dpwssd_epi32(a[r][0], b, w0);
-        a[r][1] = _mm512_dpwssd_epi32(a[r][1], b, w1);
+        if constexpr (decltype(first)::value) {  // vpmaddwd starts the sums: no zeroing
+          a[r][0] = _mm512_madd_epi16(b, w0);
+          a[r][1] = _mm512_madd_epi16(b, w1);
+        } else {
+          a[r][0] = _mm512_dpwssd_epi32(a[r][0], b, w0);
+          a[r][1] = _mm512_dpwssd_epi32(a[r][1], b, w1);
+        }
       }
-    }
+    };
+    pairs(0, std::true_type{});
+#pragma GCC unroll 15
+    for (int p = 1; p < 16; ++p) pairs(p, std::false_type{});
     const __m512 s0 = _mm512_loadu_ps(ws + g * kVnniCols), s1 = _mm512_loadu_ps(ws + g * kVnniCols + 16);
     for (int r = 0; r < R; ++r) {
       const __m512 d = _mm512_set1_ps(xd[r * groups + g]);
