@@ -118,7 +118,7 @@ bool bfloat16_prompts() {
 // with vpdpwssd (gemm_vnni) rather than as dequantized float32 tiles through torch's GEMM; LLMSERVE_INT16_PROMPTS=0
 // keeps the latter
 bool int16_prompts() {
-#ifdef GROUP_GEMM_AVX512
+#ifdef GROUP_GEMM_AVX2
   static const bool allowed = [] {
     const char* value = std::getenv("LLMSERVE_INT16_PROMPTS");
     return (value == nullptr || std::strcmp(value, "0") != 0) && !bfloat16_prompts();
@@ -398,7 +398,7 @@ struct Sums {
           int64_t g = 0;
           for (; g + 16 <= groups; g += 16)
             total = _mm512_fmadd_ps(load16(mw + g), _mm512_loadu_ps(xsr + g), total);
-          for (; g < groups; ++g) tail += to_float(mw[g]) * xsr[g];
+          for (; g < groups; ++g) tail = std::fma(to_float(mw[g]), xsr[g], tail);
         }
         y[r * ldy + w] = static_cast<T>(_mm512_reduce_add_ps(total) + tail);
       }
@@ -539,7 +539,7 @@ struct Sums {
           int64_t j = 0;
           for (; j + 8 <= groups; j += 8)
             total = _mm256_fmadd_ps(load8(mw + j), _mm256_loadu_ps(xsr + j), total);
-          for (; j < groups; ++j) tail += to_float(mw[j]) * xsr[j];
+          for (; j < groups; ++j) tail = std::fma(to_float(mw[j]), xsr[j], tail);
         }
         y[r * ldy + w] = static_cast<T>(hsum(total) + tail);
       }
@@ -658,7 +658,7 @@ void dot_tile(Layout layout, const int16_t* xq, int64_t ldq, const float* xs, co
           sum += v * xq[r * ldq + g * kGroup + j];
         }
         total += static_cast<float>(sum) * to_float(sw[g]) * xd[r * ldd + g];
-        if (minimum) total += to_float(minimum[w * groups + g]) * xs[r * groups + g];
+        if (minimum) total = std::fma(to_float(minimum[w * groups + g]), xs[r * groups + g], total);
       }
       y[r * ldy + w] = static_cast<T>(total);
     }
@@ -904,10 +904,17 @@ constexpr int64_t kVnniFusedRows = 5;
 // 21.9, 8 rows 5.5 / 5.7 (int8 activations with vpdpbusd on the fused path)
 constexpr int64_t kVnniByteFusedRows = 8;
 
+// AVX2 (Zen 3, 2 threads, us per call, int16 / fused): 4-bit weights from 6 rows (a layer's four matrices at 8
+// rows 720 / 770, 16 rows 1061 / 1390, 4 rows 520 / 417), 8-bit ones from 14 (the LM head at 16 rows 7.9 / 9.6 ms,
+// 12 rows 9.7 / 8.4, 8 rows 5.6 / 3.7)
+constexpr int64_t kMaddFusedRows = 5, kMaddByteFusedRows = 13;
+
 int64_t fused_max_rows(int64_t bits) {
 #ifdef GROUP_GEMM_AVX512
   if (int16_prompts()) return bits == 8 ? kVnniByteFusedRows : kVnniFusedRows;
   if (bits == 8 && !amx_rows() && !bfloat16_prompts()) return kByteMaxRows;
+#elif defined(GROUP_GEMM_AVX2)
+  if (int16_prompts()) return bits == 8 ? kMaddByteFusedRows : kMaddFusedRows;
 #endif
   return kFusedRows;
 }
@@ -967,15 +974,18 @@ void gemm_amx(const T* x, int64_t M, int64_t K, const uint8_t* q, const S* scale
 }
 #endif
 
+#ifdef GROUP_GEMM_AVX2
+// Float32 prompts where they stay float32 (no AVX512-BF16, no AMX: an Intel Xeon such as Ice Lake, or an AVX2 CPU
+// such as AMD's Zen 3): the activations as int16 per group (the decode path's rounding) and the weights widened to
+// int16, multiplied with vpdpwssd (AVX512-VNNI: 32 products an instruction on two ports, where float32's FMA makes
+// 16; the tiled float32 path through MKL's GEMM ran prompts at ~240 GFLOP/s on 2 threads of an Ice Lake) or with
+// vpmaddwd and vpaddd (AVX2: 16 products per two instructions, which Zen 3 issues on more ports than its two FMA
+// ones). Each tile of weight rows is unpacked once per call into the madd layout ([group][pair p][row]: values 2p
+// and 2p + 1 of the group as one int32), so that one broadcast pair of x multiplies a vector of weight rows; every
+// row of x then reuses it.
 #ifdef GROUP_GEMM_AVX512
-// Prompts on AVX512-VNNI without AVX512-BF16 or AMX (an Intel Xeon such as Ice Lake): the activations as int16 per
-// group (the decode path's rounding) and the weights widened to int16, multiplied with vpdpwssd, 32 products an
-// instruction on two ports here, where float32's FMA makes 16: the tiled float32 path through MKL's GEMM ran
-// prompts at ~240 GFLOP/s on 2 threads. Each tile of 32 weight rows is unpacked once per call into the VNNI
-// layout ([group][pair p][row]: values 2p and 2p + 1 of the group as one int32), so that one broadcast pair of x
-// multiplies 16 weight rows; every row of x then reuses it.
-constexpr int64_t kVnniCols = 32;  // weight rows per tile: two vectors of sums
-constexpr int kVnniRows = 6;       // rows of x per micro-kernel pass: 12 int32 and 12 float sums in registers
+constexpr int64_t kInt16Cols = 32;  // weight rows per tile: two vectors of sums
+constexpr int kInt16Rows = 6;       // rows of x per micro-kernel pass: 12 int32 and 12 float sums in registers
 
 // The 32 values of group g of one weight row as int16, in order
 template <int Bits>
@@ -1014,11 +1024,9 @@ inline void transpose16(__m512i r[16]) {
   }
 }
 
-// Weight rows [n0, n0 + 32), zeros past N -> wt [groups][16][32] int32 pairs, ws / wm [groups][32] float scales and
-// minimums.
-template <int Bits, typename S>
-void pack_vnni(const uint8_t* q, const S* scale, const S* minimum, int64_t n0, int64_t N, int64_t K, int32_t* wt,
-               float* ws, float* wm) {
+// Weight rows [n0, n0 + 32), zeros past N -> wt [groups][16 pairs][32] int32.
+template <int Bits>
+void pack_weights_int16(const uint8_t* q, int64_t n0, int64_t N, int64_t K, int32_t* wt) {
   const int64_t groups = K / kGroup, row_bytes = groups * group_bytes(Bits);
   for (int half = 0; half < 2; ++half) {
     for (int64_t g = 0; g < groups; ++g) {
@@ -1028,29 +1036,22 @@ void pack_vnni(const uint8_t* q, const S* scale, const S* minimum, int64_t n0, i
         r[i] = n < N ? group_int16<Bits>(q + n * row_bytes, g) : _mm512_setzero_si512();
       }
       transpose16(r);
-      for (int p = 0; p < 16; ++p) _mm512_storeu_si512(wt + (g * 16 + p) * kVnniCols + half * 16, r[p]);
-    }
-  }
-  for (int64_t c = 0; c < kVnniCols; ++c) {
-    const int64_t n = n0 + c;
-    for (int64_t g = 0; g < groups; ++g) {
-      ws[g * kVnniCols + c] = n < N ? to_float(scale[n * groups + g]) : 0.0f;
-      wm[g * kVnniCols + c] = n < N && minimum ? to_float(minimum[n * groups + g]) : 0.0f;
+      for (int p = 0; p < 16; ++p) _mm512_storeu_si512(wt + (g * 16 + p) * kInt16Cols + half * 16, r[p]);
     }
   }
 }
 
 // R rows of x (Plain int16 rows) against one packed tile: y[r * ldy + c] for c < cols.
 template <int R, bool Minimum, typename T>
-void vnni_tile(const int16_t* xq, int64_t ldq, const float* xd, const float* xs, int64_t groups, const int32_t* wt,
+void int16_tile(const int16_t* xq, int64_t ldq, const float* xd, const float* xs, int64_t groups, const int32_t* wt,
                const float* ws, const float* wm, T* y, int64_t ldy, int64_t cols) {
   __m512 f[R][2];
   for (int r = 0; r < R; ++r) f[r][0] = f[r][1] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     __m512i a[R][2];
-    const int32_t* wg = wt + g * 16 * kVnniCols;
+    const int32_t* wg = wt + g * 16 * kInt16Cols;
     auto pairs = [&](int p, auto first) {
-      const __m512i w0 = _mm512_loadu_si512(wg + p * kVnniCols), w1 = _mm512_loadu_si512(wg + p * kVnniCols + 16);
+      const __m512i w0 = _mm512_loadu_si512(wg + p * kInt16Cols), w1 = _mm512_loadu_si512(wg + p * kInt16Cols + 16);
       for (int r = 0; r < R; ++r) {
         int32_t pair;
         std::memcpy(&pair, xq + r * ldq + g * kGroup + 2 * p, sizeof pair);
@@ -1067,14 +1068,14 @@ void vnni_tile(const int16_t* xq, int64_t ldq, const float* xd, const float* xs,
     pairs(0, std::true_type{});
 #pragma GCC unroll 15
     for (int p = 1; p < 16; ++p) pairs(p, std::false_type{});
-    const __m512 s0 = _mm512_loadu_ps(ws + g * kVnniCols), s1 = _mm512_loadu_ps(ws + g * kVnniCols + 16);
+    const __m512 s0 = _mm512_loadu_ps(ws + g * kInt16Cols), s1 = _mm512_loadu_ps(ws + g * kInt16Cols + 16);
     for (int r = 0; r < R; ++r) {
       const __m512 d = _mm512_set1_ps(xd[r * groups + g]);
       f[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[r][0]), _mm512_mul_ps(s0, d), f[r][0]);
       f[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[r][1]), _mm512_mul_ps(s1, d), f[r][1]);
     }
     if constexpr (Minimum) {  // minimum * (the group's float sum of x)
-      const __m512 m0 = _mm512_loadu_ps(wm + g * kVnniCols), m1 = _mm512_loadu_ps(wm + g * kVnniCols + 16);
+      const __m512 m0 = _mm512_loadu_ps(wm + g * kInt16Cols), m1 = _mm512_loadu_ps(wm + g * kInt16Cols + 16);
       for (int r = 0; r < R; ++r) {
         const __m512 sum = _mm512_set1_ps(xs[r * groups + g]);
         f[r][0] = _mm512_fmadd_ps(sum, m0, f[r][0]);
@@ -1097,29 +1098,167 @@ void vnni_tile(const int16_t* xq, int64_t ldq, const float* xd, const float* xs,
   }
 }
 
+#else
+constexpr int64_t kInt16Cols = 16;  // weight rows per tile: two vectors of sums
+// rows of x per micro-kernel pass: 6 int32 sums, 2 weight vectors and a broadcast in registers, the float sums
+// spilled (one thread, in cache, Zen 3: 47-52 GMAC/s, of 66 for vpmaddwd and vpaddd alone; 4 to 6 rows, where GCC
+// spills the int32 sums too, 30-43)
+constexpr int kInt16Rows = 3;
+
+// The 32 values of group g of one weight row as int16: values 0..15 (pairs 0..7) in lo, 16..31 in hi
+template <int Bits>
+inline void group_halves(const uint8_t* q, int64_t g, __m256i& lo, __m256i& hi) {
+  if constexpr (Bits == 4) {
+    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + g * 16));
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    lo = _mm256_cvtepu8_epi16(_mm_and_si128(packed, mask));
+    hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(packed, 4), mask));
+  } else {
+    const __m128i* p = reinterpret_cast<const __m128i*>(q + g * 32);
+    lo = _mm256_cvtepi8_epi16(_mm_loadu_si128(p));
+    hi = _mm256_cvtepi8_epi16(_mm_loadu_si128(p + 1));
+  }
+}
+
+// r[i] lane j -> r[j] lane i, for 8 x 8 int32
+inline void transpose8(__m256i r[8]) {
+  __m256i t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    u[i] = _mm256_unpacklo_epi64(t[i], t[i + 2]);
+    u[i + 1] = _mm256_unpackhi_epi64(t[i], t[i + 2]);
+    u[i + 2] = _mm256_unpacklo_epi64(t[i + 1], t[i + 3]);
+    u[i + 3] = _mm256_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int j = 0; j < 4; ++j) {
+    r[j] = _mm256_permute2x128_si256(u[j], u[j + 4], 0x20);
+    r[j + 4] = _mm256_permute2x128_si256(u[j], u[j + 4], 0x31);
+  }
+}
+
+// Weight rows [n0, n0 + 16), zeros past N -> wt [groups][16 pairs][16] int32.
+template <int Bits>
+void pack_weights_int16(const uint8_t* q, int64_t n0, int64_t N, int64_t K, int32_t* wt) {
+  const int64_t groups = K / kGroup, row_bytes = groups * group_bytes(Bits);
+  for (int half = 0; half < 2; ++half) {
+    for (int64_t g = 0; g < groups; ++g) {
+      __m256i lo[8], hi[8];
+      for (int i = 0; i < 8; ++i) {
+        const int64_t n = n0 + half * 8 + i;
+        if (n < N) group_halves<Bits>(q + n * row_bytes, g, lo[i], hi[i]);
+        else lo[i] = hi[i] = _mm256_setzero_si256();
+      }
+      transpose8(lo);
+      transpose8(hi);
+      int32_t* out = wt + g * 16 * kInt16Cols + half * 8;
+      for (int p = 0; p < 8; ++p) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + p * kInt16Cols), lo[p]);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (p + 8) * kInt16Cols), hi[p]);
+      }
+    }
+  }
+}
+
+// R rows of x (Plain int16 rows) against one packed tile: y[r * ldy + c] for c < cols.
+template <int R, bool Minimum, typename T>
+void int16_tile(const int16_t* xq, int64_t ldq, const float* xd, const float* xs, int64_t groups, const int32_t* wt,
+                const float* ws, const float* wm, T* y, int64_t ldy, int64_t cols) {
+  __m256 f[R][2];
+  for (int r = 0; r < R; ++r) f[r][0] = f[r][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256i a[R][2];
+    const int32_t* wg = wt + g * 16 * kInt16Cols;
+    auto pairs = [&](int p, auto first) {
+      const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + p * kInt16Cols));
+      const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + p * kInt16Cols + 8));
+      for (int r = 0; r < R; ++r) {
+        int32_t pair;
+        std::memcpy(&pair, xq + r * ldq + g * kGroup + 2 * p, sizeof pair);
+        const __m256i b = _mm256_set1_epi32(pair);
+        if constexpr (decltype(first)::value) {
+          a[r][0] = _mm256_madd_epi16(b, w0);
+          a[r][1] = _mm256_madd_epi16(b, w1);
+        } else {
+          a[r][0] = _mm256_add_epi32(a[r][0], _mm256_madd_epi16(b, w0));
+          a[r][1] = _mm256_add_epi32(a[r][1], _mm256_madd_epi16(b, w1));
+        }
+      }
+    };
+    pairs(0, std::true_type{});
+#pragma GCC unroll 5
+    for (int p = 1; p < 16; ++p) pairs(p, std::false_type{});
+    const __m256 s0 = _mm256_loadu_ps(ws + g * kInt16Cols), s1 = _mm256_loadu_ps(ws + g * kInt16Cols + 8);
+    for (int r = 0; r < R; ++r) {
+      const __m256 d = _mm256_set1_ps(xd[r * groups + g]);
+      f[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[r][0]), _mm256_mul_ps(s0, d), f[r][0]);
+      f[r][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[r][1]), _mm256_mul_ps(s1, d), f[r][1]);
+    }
+    if constexpr (Minimum) {  // minimum * (the group's float sum of x)
+      const __m256 m0 = _mm256_loadu_ps(wm + g * kInt16Cols), m1 = _mm256_loadu_ps(wm + g * kInt16Cols + 8);
+      for (int r = 0; r < R; ++r) {
+        const __m256 sum = _mm256_set1_ps(xs[r * groups + g]);
+        f[r][0] = _mm256_fmadd_ps(sum, m0, f[r][0]);
+        f[r][1] = _mm256_fmadd_ps(sum, m1, f[r][1]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    T* yr = y + r * ldy;
+    if (std::is_same_v<T, float> && cols == kInt16Cols) {
+      _mm256_storeu_ps(reinterpret_cast<float*>(yr), f[r][0]);
+      _mm256_storeu_ps(reinterpret_cast<float*>(yr) + 8, f[r][1]);
+    } else {
+      alignas(32) float out[16];
+      _mm256_store_ps(out, f[r][0]);
+      _mm256_store_ps(out + 8, f[r][1]);
+      for (int64_t c = 0; c < cols; ++c) yr[c] = T(out[c]);
+    }
+  }
+}
+#endif
+
+// Weight rows [n0, n0 + kInt16Cols), zeros past N -> wt (pack_weights_int16), ws / wm [groups][kInt16Cols] float
+// scales and minimums.
+template <int Bits, typename S>
+void pack_int16(const uint8_t* q, const S* scale, const S* minimum, int64_t n0, int64_t N, int64_t K, int32_t* wt,
+                float* ws, float* wm) {
+  const int64_t groups = K / kGroup;
+  pack_weights_int16<Bits>(q, n0, N, K, wt);
+  for (int64_t c = 0; c < kInt16Cols; ++c) {
+    const int64_t n = n0 + c;
+    for (int64_t g = 0; g < groups; ++g) {
+      ws[g * kInt16Cols + c] = n < N ? to_float(scale[n * groups + g]) : 0.0f;
+      wm[g * kInt16Cols + c] = n < N && minimum ? to_float(minimum[n * groups + g]) : 0.0f;
+    }
+  }
+}
+
 template <int Bits, typename T, typename S>
-void gemm_vnni(const float* x, int64_t M, int64_t K, const uint8_t* q, const S* scale, const S* minimum, int64_t N,
+void gemm_int16(const float* x, int64_t M, int64_t K, const uint8_t* q, const S* scale, const S* minimum, int64_t N,
                T* y) {
   const int64_t groups = K / kGroup;
   const QuantizedRows rows = quantize_rows(x, M, K, Layout::Plain);
-  const int64_t tiles = (N + kVnniCols - 1) / kVnniCols;
+  const int64_t tiles = (N + kInt16Cols - 1) / kInt16Cols;
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     thread_local std::vector<int32_t> wt;
     thread_local std::vector<float> ws, wm;
-    wt.resize(groups * 16 * kVnniCols);
-    ws.resize(groups * kVnniCols);
-    wm.resize(groups * kVnniCols);
+    wt.resize(groups * 16 * kInt16Cols);
+    ws.resize(groups * kInt16Cols);
+    wm.resize(groups * kInt16Cols);
     for (int64_t t = begin; t < end; ++t) {
-      const int64_t n0 = t * kVnniCols, cols = std::min(kVnniCols, N - n0);
-      pack_vnni<Bits>(q, scale, minimum, n0, N, K, wt.data(), ws.data(), wm.data());
+      const int64_t n0 = t * kInt16Cols, cols = std::min(kInt16Cols, N - n0);
+      pack_int16<Bits>(q, scale, minimum, n0, N, K, wt.data(), ws.data(), wm.data());
       auto pass = [&](int64_t m, auto count, auto with_minimum) {
-        vnni_tile<decltype(count)::value, decltype(with_minimum)::value>(
+        int16_tile<decltype(count)::value, decltype(with_minimum)::value>(
             rows.q.data() + m * rows.ldq, rows.ldq, rows.scale.data() + m * rows.ldd, rows.sum.data() + m * groups,
             groups, wt.data(), ws.data(), wm.data(), y + m * N + n0, N, cols);
       };
       auto all_rows = [&](auto with_minimum) {
         int64_t m = 0;
-        for (; m + kVnniRows <= M; m += kVnniRows) pass(m, std::integral_constant<int, kVnniRows>{}, with_minimum);
+        for (; m + kInt16Rows <= M; m += kInt16Rows) pass(m, std::integral_constant<int, kInt16Rows>{}, with_minimum);
         switch (M - m) {
           case 5: pass(m, std::integral_constant<int, 5>{}, with_minimum); break;
           case 4: pass(m, std::integral_constant<int, 4>{}, with_minimum); break;
@@ -1166,10 +1305,10 @@ void group_linear_into(const at::Tensor& xc, const uint8_t* qp, const S* sp, con
       else gemm_tiled<8, at::BFloat16>(xb, qp, sp, mn, N, yb);
       if (!bf16) y.copy_(yb);
     } else {
-#ifdef GROUP_GEMM_AVX512
+#ifdef GROUP_GEMM_AVX2
       if (int16_prompts()) {
-        if (bits == 4) gemm_vnni<4>(xc.data_ptr<float>(), M, K, qp, sp, mn, N, y.data_ptr<float>());
-        else gemm_vnni<8>(xc.data_ptr<float>(), M, K, qp, sp, mn, N, y.data_ptr<float>());
+        if (bits == 4) gemm_int16<4>(xc.data_ptr<float>(), M, K, qp, sp, mn, N, y.data_ptr<float>());
+        else gemm_int16<8>(xc.data_ptr<float>(), M, K, qp, sp, mn, N, y.data_ptr<float>());
         return;
       }
 #endif

@@ -87,7 +87,11 @@ def load(cache_dir: str = "") -> bool:
                     else "the int16 path (int8 for 8-bit weights)"
                     if int8_rows()
                     else "the int16 path",
-                    "bfloat16" if bfloat16_prompts() else "int16 (vpdpwssd)" if int16_prompts() else "float32",
+                    "bfloat16"
+                    if bfloat16_prompts()
+                    else f"int16 ({'vpdpwssd' if instruction_set() == 'AVX512-VNNI' else 'vpmaddwd'})"
+                    if int16_prompts()
+                    else "float32",
                 )
             else:
                 log.warning("quantized linears: torch's int4/int8 kernels (bfloat16 scales): %s", why)
@@ -178,7 +182,8 @@ def bfloat16_prompts() -> bool:
 
 def int16_prompts() -> bool:
     """Whether more than fused_rows() float32 rows (prompts), where they stay float32, multiply as int16 per group
-    with AVX512-VNNI (the fused path's rounding) rather than as dequantized float32 tiles through torch's GEMM."""
+    with AVX512-VNNI's vpdpwssd or AVX2's vpmaddwd (the fused path's rounding) rather than as dequantized float32
+    tiles through torch's GEMM."""
     return bool(torch.ops.llmserve_kernels.int16_prompts()) and not bfloat16_prompts()
 
 

@@ -34,7 +34,7 @@ def error_bound(x: torch.Tensor, weight: torch.Tensor, bits: int) -> torch.Tenso
     amx = group_kernels.amx_takes(rows)
     fused = rows <= group_kernels.fused_rows(bits) and not amx
     int8 = fused and bits == 8 and 0 < group_kernels.int8_rows() <= rows
-    # float32 prompts where the CPU has AVX512-VNNI but neither AVX512-BF16 nor AMX: int16, as the fused path
+    # float32 prompts where the CPU has neither AVX512-BF16 nor AMX (AVX512-VNNI or AVX2): int16, as the fused path
     int16_prompt = not fused and not amx and x.dtype == torch.float32 and group_kernels.int16_prompts()
     step = x.double().abs().view(rows, -1, 32).amax(-1) / (127 if int8 else 32767)  # [rows, groups]
     rounded = fused or int16_prompt
