@@ -5,6 +5,7 @@
     .venv/bin/python bench/engine_throughput.py --concurrency 1 16 --gen-tokens 64 -- --quantization int8
     .venv/bin/python bench/engine_throughput.py --threads 1 2 --concurrency 1 16   # thread counts side by side
     .venv/bin/python bench/engine_throughput.py --profile             # top torch ops over decode steps
+    .venv/bin/python bench/engine_throughput.py --profile-prefill --skip-levels   # ... over a 16-prompt prefill
 
 Flags after `--` are `llmserve serve` flags (Settings). Numbers on a shared 2-core machine are noisy: compare
 levels measured in the same run (the ratio line), not runs taken at different times."""
@@ -151,6 +152,31 @@ def print_table(results: list[LevelResult]) -> None:
         )
 
 
+def profile_prefill(engine: Engine, n: int, prompt_tokens: int, row_limit: int) -> None:
+    """torch.profiler over the steps that prefill n requests submitted at once (chunks of max_num_batched_tokens,
+    with the decodes of those already prefilled)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    add_requests(engine, 2_000_000, n, prompt_tokens, gen_tokens=2)
+    steps = 0
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        started = time.perf_counter()
+        while (
+            any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running)
+            or engine.scheduler.waiting
+        ):
+            engine.step()
+            steps += 1
+        wall = time.perf_counter() - started
+    while engine.scheduler.has_work():
+        engine.step()
+    averages = prof.key_averages()
+    op_cpu_us = sum(e.self_cpu_time_total for e in averages)
+    print(f"\n## torch.profiler: prefill of {n} x ~{prompt_tokens} tokens, {steps} steps, {wall:.2f} s wall")
+    print(f"(self CPU time of all recorded ops: {op_cpu_us / 1e6:.2f} s; the rest is Python outside torch ops)\n")
+    print(averages.table(sort_by="self_cpu_time_total", row_limit=row_limit))
+
+
 def profile_decode(engine: Engine, n: int, prompt_tokens: int, num_steps: int, row_limit: int) -> None:
     """Prefill n requests, then run torch.profiler over num_steps pure decode steps."""
     from torch.profiler import ProfilerActivity, profile
@@ -208,6 +234,9 @@ def main() -> None:
     parser.add_argument(
         "--profile", action="store_true", help="after the levels, profile decode steps with torch.profiler"
     )
+    parser.add_argument(
+        "--profile-prefill", action="store_true", help="after the levels, profile a prefill with torch.profiler"
+    )
     parser.add_argument("--profile-concurrency", type=int, default=16, help="streams while profiling")
     parser.add_argument("--profile-steps", type=int, default=20, help="decode steps to profile")
     parser.add_argument("--skip-levels", action="store_true", help="only profile")
@@ -245,6 +274,8 @@ def main() -> None:
             print(f"\n## {t} threads\n" if len(results) > 1 else "")
             print_table(rows)
     torch.set_num_threads(thread_counts[0])
+    if args.profile_prefill:
+        profile_prefill(engine, args.profile_concurrency, args.prompt_tokens, row_limit=20)
     if args.profile:
         profile_decode(engine, args.profile_concurrency, args.prompt_tokens, args.profile_steps, row_limit=15)
 
