@@ -122,6 +122,23 @@ def test_the_gguf_tokenizer_is_cached_once_built(default_model_path: Path, tmp_p
     assert cached.decode(ids) == built.decode(ids)
 
 
+def test_the_gguf_tokenizer_skips_autotokenizer_only_where_it_would_pick_the_same(default_model_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from model.tokenizer import _generic_gguf_tokenizer, _gguf_tokenizer
+
+    assert _generic_gguf_tokenizer(default_model_path)  # llama architecture, byte-level BPE
+    direct = _gguf_tokenizer(default_model_path)
+    auto = AutoTokenizer.from_pretrained(str(default_model_path.parent), gguf_file=default_model_path.name)
+    assert type(direct) is type(auto)
+    assert direct.init_kwargs == auto.init_kwargs and direct.chat_template == auto.chat_template
+    assert direct.get_vocab() == auto.get_vocab() and direct.all_special_tokens == auto.all_special_tokens
+    text = "The quick brown fox, 1234 \t\n ünïcödé <|im_start|>user\nHi<|im_end|> 🌍"
+    assert direct.encode(text) == auto.encode(text)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Héllo <b>wörld</b>"}]
+    assert direct.apply_chat_template(messages, tokenize=False) == auto.apply_chat_template(messages, tokenize=False)
+
+
 def _greedy_with_logits(engine: Engine, ids: list[int], n: int) -> tuple[list[int], torch.Tensor]:
     """n greedy tokens, and the logits of each decode step's one row (prompt in one step, then one row per step)."""
     from model.engine.sequence import SamplingParams
