@@ -9,13 +9,15 @@
 // drift from the float32 reference) and, without AVX512-BF16, run only bfloat16 activations at speed; float32
 // ones fall to a scalar loop 20-100x slower.
 //
-// Two paths. Up to fused_max_rows() rows (decode; 32 with AVX2, 16 with AVX512-VNNI, 12 in portable C++), the
-// fused path: activations are quantized to int16 per group and each weight group, made int16 once (widened, or its
-// 4-bit nibbles masked in place), is multiplied into every row with madd (vpdpwssd with AVX512-VNNI), so a step
-// reads the 4-bit bytes once; 8-bit weights from kByteRows rows with AVX512-VNNI take int8 activations and vpdpbusd
-// instead (up to 64 rows without AMX). More rows (batched decode, prefill): tiles of weight rows are dequantized into a cache-sized
-// buffer and multiplied by torch's GEMM; or, on AVX512-VNNI where prompts stay float32 (neither AVX512-BF16 nor
-// AMX), from 6 rows of 4-bit weights (9 of 8-bit), unpacked to int16 and multiplied with vpdpwssd (gemm_vnni). With AMX a third takes 6 to 48 rows (batched decode): the weights
+// Two paths. Up to fused_max_rows() rows (decode; 32 with AVX2, 16 with AVX512-VNNI, 12 in portable C++, fewer
+// where gemm_int16 takes over), the fused path: activations are quantized to int16 per group and each weight group,
+// made int16 once (widened, or its 4-bit nibbles masked in place), is multiplied into every row with madd (vpdpwssd
+// with AVX512-VNNI), so a step reads the 4-bit bytes once; 8-bit weights from kByteRows rows with AVX512-VNNI take
+// int8 activations and vpdpbusd instead (up to 64 rows without AMX). More rows (batched decode, prefill): tiles of
+// weight rows are dequantized into a cache-sized buffer and multiplied by torch's GEMM; or, where prompts stay
+// float32 (neither AVX512-BF16 nor AMX: an Ice Lake, an AVX2 Zen 3), from 6 rows of 4-bit weights (9 of 8-bit with
+// AVX512-VNNI, 14 with AVX2), unpacked to int16 and multiplied with vpdpwssd or vpmaddwd (gemm_int16). With AMX a
+// third takes 6 to 48 rows (batched decode): the weights
 // dequantized to bfloat16 block by block and multiplied on AMX's tiles by oneDNN's brgemm micro-kernel (gemm_amx).
 //
 // Layouts: 4 bits: uint8 [N, K / 2], ggml's block layout (byte j of a group holds value j in its low nibble and
@@ -115,7 +117,7 @@ bool bfloat16_prompts() {
 }
 
 // Whether float32 prompts (more rows than the fused path takes, where bfloat16_prompts() is false) multiply as int16
-// with vpdpwssd (gemm_vnni) rather than as dequantized float32 tiles through torch's GEMM; LLMSERVE_INT16_PROMPTS=0
+// with vpdpwssd or vpmaddwd (gemm_int16) rather than as dequantized float32 tiles through torch's GEMM; LLMSERVE_INT16_PROMPTS=0
 // keeps the latter
 bool int16_prompts() {
 #ifdef GROUP_GEMM_AVX2
@@ -895,7 +897,7 @@ bool amx_takes(int64_t rows) { return rows >= kAmxRows && rows <= kAmxMaxRows &&
 // dequantized tiles through MKL's float32 GEMM take 14.6 / 16.4 / 26.2 (2 threads).
 constexpr int64_t kByteMaxRows = 64;
 
-// 4-bit weights where float32 rows beyond the fused path's multiply as int16 (gemm_vnni): it unpacks each weight
+// 4-bit weights where float32 rows beyond the fused path's multiply as int16 (gemm_int16, AVX512-VNNI): it unpacks each weight
 // once per call and multiplies 16 weight rows per instruction, the fused path one; from 6 rows it ran the default
 // model's four matrices faster (2 threads, Intel Xeon Ice Lake: 8 rows 545 / 636 us, 16 rows 662 / 1212 us a
 // layer; 3 rows 469 / 308)
@@ -1294,7 +1296,7 @@ void group_linear_into(const at::Tensor& xc, const uint8_t* qp, const S* sp, con
     return;
   }
 #endif
-  // bfloat16 rows keep the fused path to kFusedRows: gemm_vnni takes float32 ones only
+  // bfloat16 rows keep the fused path to kFusedRows: gemm_int16 takes float32 ones only
   if (M > (bf16 ? std::max(kFusedRows, fused_max_rows(bits)) : fused_max_rows(bits))) {
     // float32 rows too are multiplied in bfloat16 where the CPU does that natively (prompts: twice the speed); the
     // few-row path, which every decode step takes, keeps float32 activations
@@ -1387,7 +1389,7 @@ TORCH_LIBRARY(llmserve_kernels, m) {
   m.def("int8_rows() -> int", &int8_rows);
   m.def("bfloat16_prompts() -> bool", &bfloat16_prompts);  // whether float32 rows beyond those multiply in bfloat16
   m.def("amx_takes(int rows) -> bool", &amx_takes);
-  m.def("int16_prompts() -> bool", &int16_prompts);  // whether float32 rows beyond those multiply as int16 (VNNI)  // whether that many rows multiply on AMX's tiles
+  m.def("int16_prompts() -> bool", &int16_prompts);  // whether float32 rows beyond those multiply as int16
 }
 
 TORCH_LIBRARY_IMPL(llmserve_kernels, CPU, m) { m.impl("group_linear", &group_linear); }
