@@ -114,6 +114,8 @@ class PagedAttention(nn.Module):
                 o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=self.scale, enable_gqa=True)
             else:
                 mask = _causal_mask(q_len, ctx_len, self.window, q.device)
+                if q_len >= _ADDITIVE_MASK_ROWS:
+                    mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
                 o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=self.scale, enable_gqa=True)
             out[start : start + q_len] = o[0].transpose(0, 1)
             start += q_len
@@ -194,6 +196,12 @@ class PagedAttention(nn.Module):
 
     def extra_repr(self) -> str:
         return f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, window={self.window}"
+
+
+# From this many queries a prompt chunk's mask goes to SDPA as an additive float one: torch's CPU kernel then ran
+# 256 queries x 512 / 1,500 keys in 9.2 / 14.7 ms against 15.3 / 17.4 with the boolean mask (100 x 300: 1.1 / 1.7),
+# the same result; 16 queries x 1,000 keys ran 1.4 against 0.9 (Zen 3, 2 threads)
+_ADDITIVE_MASK_ROWS = 64
 
 
 def _causal_mask(q_len: int, ctx_len: int, window: int | None, device: torch.device) -> torch.Tensor:

@@ -58,3 +58,39 @@ def test_batched_decode_matches_float64(dtype: torch.dtype, tol: float, window: 
         assert torch.equal(k[-1], k_new[i]) and torch.equal(v[-1], v_new[i])
         expected = reference(q[i], k, v, window)
         assert (out[i].double() - expected).abs().max().item() <= tol
+
+
+@pytest.mark.parametrize("chunk", [20, 70])  # below and above the row count that takes the additive float mask
+@pytest.mark.parametrize("window", [None, 30])
+def test_a_prompt_chunk_over_its_cached_prefix_matches_float64(chunk: int, window: int | None) -> None:
+    torch.manual_seed(1)
+    heads, kv_heads, dim, block_size = 6, 2, 16, 8
+    prefix, total = 50, 50 + chunk
+    num_blocks = -(-total // block_size)
+    attn = PagedAttention(heads, kv_heads, dim, dim**-0.5, window)
+    attn.k_cache = torch.randn(num_blocks + 3, block_size, kv_heads, dim)
+    attn.v_cache = torch.randn(num_blocks + 3, block_size, kv_heads, dim)
+    table = torch.randperm(num_blocks + 3)[:num_blocks]  # the sequence's blocks, scattered in the pool
+    q = torch.randn(chunk, heads, dim)
+    k_new, v_new = torch.randn(chunk, kv_heads, dim), torch.randn(chunk, kv_heads, dim)
+    positions = torch.arange(prefix, total)
+    batch = Batch(
+        input_ids=torch.zeros(chunk, dtype=torch.int64),
+        positions=positions,
+        slot_mapping=table[positions // block_size] * block_size + positions % block_size,
+        block_tables=table[None].to(torch.int32),
+        context_lens=torch.tensor([total], dtype=torch.int32),
+        query_start_loc=torch.tensor([0, chunk], dtype=torch.int32),
+        logits_indices=torch.tensor([chunk - 1]),
+        num_decode=0,
+        max_query_len=chunk,
+        max_context_len=total,
+        query_lens_cpu=[chunk],
+        context_lens_cpu=[total],
+    )
+    out = attn(q, k_new, v_new, batch)
+    k = attn.k_cache[table].reshape(-1, kv_heads, dim)[:total]
+    v = attn.v_cache[table].reshape(-1, kv_heads, dim)[:total]
+    for i in range(chunk):  # query i sits at position prefix + i and sees keys up to there
+        expected = reference(q[i], k[: prefix + i + 1], v[: prefix + i + 1], window)
+        assert (out[i].double() - expected).abs().max().item() <= 1e-5
