@@ -116,14 +116,14 @@ bool bfloat16_prompts() {
 #endif
 }
 
-// Whether float32 prompts (more rows than the fused path takes, where bfloat16_prompts() is false) multiply as int16
-// with vpdpwssd or vpmaddwd (gemm_int16) rather than as dequantized float32 tiles through torch's GEMM; LLMSERVE_INT16_PROMPTS=0
-// keeps the latter
-bool int16_prompts() {
+// Whether float32 rows beyond the fused path's may multiply as int16 with vpdpwssd or vpmaddwd (gemm_int16) rather
+// than as dequantized tiles through torch's GEMM; LLMSERVE_INT16_PROMPTS=0 keeps the latter. int16_max_rows() says
+// up to how many.
+bool int16_allowed() {
 #ifdef GROUP_GEMM_AVX2
   static const bool allowed = [] {
     const char* value = std::getenv("LLMSERVE_INT16_PROMPTS");
-    return (value == nullptr || std::strcmp(value, "0") != 0) && !bfloat16_prompts();
+    return value == nullptr || std::strcmp(value, "0") != 0;
   }();
   return allowed;
 #else
@@ -911,12 +911,30 @@ constexpr int64_t kVnniByteFusedRows = 8;
 // 12 rows 9.7 / 8.4, 8 rows 5.6 / 3.7)
 constexpr int64_t kMaddFusedRows = 5, kMaddByteFusedRows = 13;
 
+// AMD's AVX512-BF16 (Zen 4, 2 threads, us per call, bfloat16 tiles / int16): gemm_int16 takes batched decode, where
+// it is faster, and leaves prompts to the bfloat16 tiles. 4-bit weights from 6 rows to 64 (a layer's four matrices
+// at 16 rows 690 / 477, 64 rows 1673 / 1483, 96 rows 2084 / 2098, 256 rows 4811 / 5364); 8-bit ones from 17 (the
+// fused path's int8 below: the LM head at 16 rows 4.8 / 5.5 ms) to 128 (32 rows 10.3 / 7.8 ms, 128 rows 23.4 /
+// 23.0, 256 rows 54.9 / 59.0).
+constexpr int64_t kBf16Int16MaxRows = 64, kBf16Int16MaxByteRows = 128;
+
+// The most float32 rows gemm_int16 takes (0: none): every row count above fused_max_rows() where prompts stay float32
+// (neither AVX512-BF16 nor AMX); batched decode only where they multiply in bfloat16 without AMX (an AMD CPU)
+int64_t int16_max_rows(int64_t bits) {
+  if (!int16_allowed() || amx_rows()) return 0;
+  if (!bfloat16_prompts()) return INT64_MAX;
+  return bits == 8 ? kBf16Int16MaxByteRows : kBf16Int16MaxRows;
+}
+
 int64_t fused_max_rows(int64_t bits) {
 #ifdef GROUP_GEMM_AVX512
-  if (int16_prompts()) return bits == 8 ? kVnniByteFusedRows : kVnniFusedRows;
+  if (int16_max_rows(bits) > 0) {
+    if (bits == 4) return kVnniFusedRows;
+    return bfloat16_prompts() ? kFusedRows : kVnniByteFusedRows;
+  }
   if (bits == 8 && !amx_rows() && !bfloat16_prompts()) return kByteMaxRows;
 #elif defined(GROUP_GEMM_AVX2)
-  if (int16_prompts()) return bits == 8 ? kMaddByteFusedRows : kMaddFusedRows;
+  if (int16_max_rows(bits) > 0) return bits == 8 ? kMaddByteFusedRows : kMaddFusedRows;
 #endif
   return kFusedRows;
 }
@@ -1298,8 +1316,15 @@ void group_linear_into(const at::Tensor& xc, const uint8_t* qp, const S* sp, con
 #endif
   // bfloat16 rows keep the fused path to kFusedRows: gemm_int16 takes float32 ones only
   if (M > (bf16 ? std::max(kFusedRows, fused_max_rows(bits)) : fused_max_rows(bits))) {
+#ifdef GROUP_GEMM_AVX2
+    if (!bf16 && M <= int16_max_rows(bits)) {
+      if (bits == 4) gemm_int16<4>(xc.data_ptr<float>(), M, K, qp, sp, mn, N, y.data_ptr<float>());
+      else gemm_int16<8>(xc.data_ptr<float>(), M, K, qp, sp, mn, N, y.data_ptr<float>());
+      return;
+    }
+#endif
     // float32 rows too are multiplied in bfloat16 where the CPU does that natively (prompts: twice the speed); the
-    // few-row path, which every decode step takes, keeps float32 activations
+    // few-row paths, which decode steps take, keep float32 activations
     if (bf16 || bfloat16_prompts()) {
       const at::Tensor xb = xc.to(at::kBFloat16);  // no copy when x is bfloat16 already
       at::Tensor yb = bf16 ? y : at::empty({M, N}, xc.options().dtype(at::kBFloat16));
@@ -1307,13 +1332,6 @@ void group_linear_into(const at::Tensor& xc, const uint8_t* qp, const S* sp, con
       else gemm_tiled<8, at::BFloat16>(xb, qp, sp, mn, N, yb);
       if (!bf16) y.copy_(yb);
     } else {
-#ifdef GROUP_GEMM_AVX2
-      if (int16_prompts()) {
-        if (bits == 4) gemm_int16<4>(xc.data_ptr<float>(), M, K, qp, sp, mn, N, y.data_ptr<float>());
-        else gemm_int16<8>(xc.data_ptr<float>(), M, K, qp, sp, mn, N, y.data_ptr<float>());
-        return;
-      }
-#endif
       if (bits == 4) gemm_tiled<4, float>(xc, qp, sp, mn, N, y);
       else gemm_tiled<8, float>(xc, qp, sp, mn, N, y);
     }
@@ -1389,7 +1407,7 @@ TORCH_LIBRARY(llmserve_kernels, m) {
   m.def("int8_rows() -> int", &int8_rows);
   m.def("bfloat16_prompts() -> bool", &bfloat16_prompts);  // whether float32 rows beyond those multiply in bfloat16
   m.def("amx_takes(int rows) -> bool", &amx_takes);
-  m.def("int16_prompts() -> bool", &int16_prompts);  // whether float32 rows beyond those multiply as int16
+  m.def("int16_rows(int bits) -> int", &int16_max_rows);  // the most float32 rows beyond those that multiply as int16
 }
 
 TORCH_LIBRARY_IMPL(llmserve_kernels, CPU, m) { m.impl("group_linear", &group_linear); }

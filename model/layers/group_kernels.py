@@ -90,7 +90,7 @@ def load(cache_dir: str = "") -> bool:
                     "bfloat16"
                     if bfloat16_prompts()
                     else f"int16 ({'vpdpwssd' if instruction_set() == 'AVX512-VNNI' else 'vpmaddwd'})"
-                    if int16_prompts()
+                    if int16_rows()
                     else "float32",
                 )
             else:
@@ -180,11 +180,11 @@ def bfloat16_prompts() -> bool:
     return bool(torch.ops.llmserve_kernels.bfloat16_prompts())
 
 
-def int16_prompts() -> bool:
-    """Whether more than fused_rows() float32 rows (prompts), where they stay float32, multiply as int16 per group
-    with AVX512-VNNI's vpdpwssd or AVX2's vpmaddwd (the fused path's rounding) rather than as dequantized float32
-    tiles through torch's GEMM."""
-    return bool(torch.ops.llmserve_kernels.int16_prompts()) and not bfloat16_prompts()
+def int16_rows(bits: int = 4) -> int:
+    """The most float32 rows beyond fused_rows(bits) that multiply as int16 per group with AVX512-VNNI's vpdpwssd or
+    AVX2's vpmaddwd (the fused path's rounding) rather than as dequantized tiles through torch's GEMM: every count
+    where prompts stay float32, batched decode only on an AMD CPU with AVX512-BF16; 0 where none do."""
+    return int(torch.ops.llmserve_kernels.int16_rows(bits))
 
 
 def register_fake() -> None:

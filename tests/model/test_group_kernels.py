@@ -24,7 +24,7 @@ def grouped(bits: int, n: int, k: int, with_minimum: bool, seed: int) -> GroupQu
 
 
 def error_bound(x: torch.Tensor, weight: torch.Tensor, bits: int) -> torch.Tensor:
-    """Up to fused_rows(bits) rows (and float32 prompts where int16_prompts()), activations are rounded to int16
+    """Up to fused_rows(bits) rows (and float32 rows up to int16_rows(bits)), activations are rounded to int16
     steps of their group's largest magnitude / 32767 (8-bit weights from int8_rows() up to fused_rows(8) rows: int8
     steps, / 127): each by at most half a step, times the weights it
     multiplies; plus float32's rounding of the sums. bfloat16 rows: the output's own rounding (half an ulp, 2^-9
@@ -34,8 +34,9 @@ def error_bound(x: torch.Tensor, weight: torch.Tensor, bits: int) -> torch.Tenso
     amx = group_kernels.amx_takes(rows)
     fused = rows <= group_kernels.fused_rows(bits) and not amx
     int8 = fused and bits == 8 and 0 < group_kernels.int8_rows() <= rows
-    # float32 prompts where the CPU has neither AVX512-BF16 nor AMX (AVX512-VNNI or AVX2): int16, as the fused path
-    int16_prompt = not fused and not amx and x.dtype == torch.float32 and group_kernels.int16_prompts()
+    # float32 rows beyond the fused path's up to int16_rows(bits) (all of them where the CPU has neither AVX512-BF16
+    # nor AMX; batched decode on an AMD CPU with it): int16, as the fused path
+    int16_prompt = not fused and not amx and x.dtype == torch.float32 and rows <= group_kernels.int16_rows(bits)
     step = x.double().abs().view(rows, -1, 32).amax(-1) / (127 if int8 else 32767)  # [rows, groups]
     rounded = fused or int16_prompt
     rounding = (step / 2) @ w.view(w.shape[0], -1, 32).sum(-1).T if rounded else 0
