@@ -16,7 +16,9 @@
 // int8 activations and vpdpbusd instead (up to 64 rows without AMX). More rows (batched decode, prefill): tiles of
 // weight rows are dequantized into a cache-sized buffer and multiplied by torch's GEMM; or, where prompts stay
 // float32 (neither AVX512-BF16 nor AMX: an Ice Lake, an AVX2 Zen 3), from 6 rows of 4-bit weights (9 of 8-bit with
-// AVX512-VNNI, 14 with AVX2), unpacked to int16 and multiplied with vpdpwssd or vpmaddwd (gemm_int16). With AMX a
+// AVX512-VNNI, 14 with AVX2), unpacked to int16 and multiplied with vpdpwssd or vpmaddwd (gemm_int16); on an AMD CPU
+// with AVX512-BF16 (Zen 4), gemm_int16 takes batched decode (up to 64 rows of 4-bit weights, 128 of 8-bit) and
+// bfloat16 tiles the prompts beyond. With AMX a
 // third takes 6 to 48 rows (batched decode): the weights
 // dequantized to bfloat16 block by block and multiplied on AMX's tiles by oneDNN's brgemm micro-kernel (gemm_amx).
 //
