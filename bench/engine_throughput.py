@@ -175,6 +175,11 @@ def profile_prefill(engine: Engine, n: int, prompt_tokens: int, row_limit: int) 
     print(f"\n## torch.profiler: prefill of {n} x ~{prompt_tokens} tokens, {steps} steps, {wall:.2f} s wall")
     print(f"(self CPU time of all recorded ops: {op_cpu_us / 1e6:.2f} s; the rest is Python outside torch ops)\n")
     print(averages.table(sort_by="self_cpu_time_total", row_limit=row_limit))
+    print(
+        prof.key_averages(group_by_input_shape=True).table(
+            sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=40
+        )
+    )
 
 
 def profile_decode(engine: Engine, n: int, prompt_tokens: int, num_steps: int, row_limit: int) -> None:
