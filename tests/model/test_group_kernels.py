@@ -36,9 +36,9 @@ def error_bound(x: torch.Tensor, weight: torch.Tensor, bits: int) -> torch.Tenso
     int8 = fused and bits == 8 and 0 < group_kernels.int8_rows() <= rows
     # float32 rows beyond the fused path's up to int16_rows(bits) (all of them where the CPU has neither AVX512-BF16
     # nor AMX; batched decode on an AMD CPU with it): int16, as the fused path
-    int16_prompt = not fused and not amx and x.dtype == torch.float32 and rows <= group_kernels.int16_rows(bits)
+    int16_path = not fused and not amx and x.dtype == torch.float32 and rows <= group_kernels.int16_rows(bits)
     step = x.double().abs().view(rows, -1, 32).amax(-1) / (127 if int8 else 32767)  # [rows, groups]
-    rounded = fused or int16_prompt
+    rounded = fused or int16_path
     rounding = (step / 2) @ w.view(w.shape[0], -1, 32).sum(-1).T if rounded else 0
     magnitude = x.double().abs() @ w.T
     bound = rounding + 1e-6 * magnitude
