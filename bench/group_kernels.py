@@ -9,11 +9,15 @@ largest error against a float64 product, relative to the largest output.
 
 --against REV builds group_gemm.cpp as it was at git revision REV (under another op namespace, into a temp folder)
 and times the two in turn, best of several rounds each, in one process: on a shared machine a change of 10-20 %
-is lost in the noise between runs, not within one.
+is lost in the noise between runs, not within one. --their-env NAME=VALUE sets a variable for that build alone
+(each build reads its settings once), so one source's two settings run side by side:
+
+    .venv/bin/python bench/group_kernels.py --against HEAD --their-env LLMSERVE_INT16_PROMPTS=0 --rows 16 64 256
 """
 
 import argparse
 import functools
+import os
 import subprocess
 import sys
 import tempfile
@@ -86,9 +90,27 @@ def random_weight(k: int, n: int, bits: int, g: torch.Generator) -> tuple[GroupQ
     return weight, weight.data
 
 
-def against(revision: str, rows: list[int], repeats: int) -> None:
+def latch_settings(namespace: str) -> None:
+    """Call the build's queries, so that every setting it reads from the environment is read now."""
+    ops = getattr(torch.ops, namespace)
+    for bits in (4, 8):
+        ops.fused_rows(bits)
+    ops.bfloat16_prompts()
+    ops.amx_takes(16)
+    if hasattr(ops, "int16_rows"):
+        ops.int16_rows(4)
+
+
+def against(revision: str, rows: list[int], repeats: int, their_env: list[str]) -> None:
     theirs = build_revision(revision)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {group_kernels.instruction_set()}\n")
+    latch_settings("llmserve_kernels")
+    saved = dict(os.environ)
+    os.environ.update(setting.split("=", 1) for setting in their_env)
+    latch_settings("llmserve_revision")
+    os.environ.clear()
+    os.environ.update(saved)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {group_kernels.instruction_set()}")
+    print(f"{revision} with {' '.join(their_env) or 'the same environment'}\n")
     print(f"| in x out | bits | rows | this tree ms | {revision} ms | ratio | this tree error | {revision} error |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     g = torch.Generator().manual_seed(0)
@@ -121,11 +143,12 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="*", default=[1, 4, 16, 128])
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--against", default="", help="a git revision whose kernel to time against this tree's")
+    parser.add_argument("--their-env", nargs="*", default=[], help="NAME=VALUE settings for --against's build only")
     args = parser.parse_args()
     if not group_kernels.load():
         sys.exit("the grouped kernel could not be built here (see the log)")
     if args.against:
-        against(args.against, args.rows, args.repeats)
+        against(args.against, args.rows, args.repeats, args.their_env)
         return
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads\n")
     print("| in x out | bits | rows | ours ms | torch kernel ms | dense float32 ms | ours error | torch error |")
