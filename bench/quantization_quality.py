@@ -60,9 +60,10 @@ def run(engine: Engine, together: bool = False) -> tuple[list[list[int]], list[t
         while engine.scheduler.has_work():
             for o in engine.step():
                 tokens[o.request_id] += o.new_token_ids
-    # last-position logits of each prompt, via one uncached forward through the same runner
+    # last-position logits of each prompt, via one uncached forward through the same runner; the LM head takes the
+    # last position alone, as a serving step does (all positions through it would take its many-row path instead)
     decoder = engine.runner.decoder
-    logits = [decoder.compute_logits(decoder(single_sequence_batch(ids)))[-1] for ids in prompt_ids]
+    logits = [decoder.compute_logits(decoder(single_sequence_batch(ids))[-1:])[-1] for ids in prompt_ids]
     return list(tokens.values()), logits
 
 

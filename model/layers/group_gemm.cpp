@@ -17,8 +17,10 @@
 // weight rows are dequantized into a cache-sized buffer and multiplied by torch's GEMM; or, where prompts stay
 // float32 (neither AVX512-BF16 nor AMX: an Ice Lake, an AVX2 Zen 3), from 6 rows of 4-bit weights (9 of 8-bit with
 // AVX512-VNNI, 14 with AVX2), unpacked to int16 and multiplied with vpdpwssd or vpmaddwd (gemm_int16); on an AMD CPU
-// with AVX512-BF16 (Zen 4), gemm_int16 takes batched decode (up to 64 rows of 4-bit weights, 128 of 8-bit) and
-// bfloat16 tiles the prompts beyond. With AMX a
+// with AVX512-BF16 (Zen 4), gemm_int16 takes batched decode (up to 64 rows of 4-bit weights) and the prompts beyond
+// multiply in bfloat16 (gemm_brgemm: the weights dequantized into the VNNI pairs of oneDNN's brgemm micro-kernel,
+// which writes float32 sums straight into y). 8-bit weights from 9 rows to 128 with AVX512-VNNI and no AMX take
+// the fused path's int8 activations against weight tiles transposed per call for vpdpbusd (gemm_int8). With AMX a
 // third takes 6 to 48 rows (batched decode): the weights
 // dequantized to bfloat16 block by block and multiplied on AMX's tiles by oneDNN's brgemm micro-kernel (gemm_amx).
 //
@@ -116,6 +118,15 @@ bool bfloat16_prompts() {
 #else
   return false;
 #endif
+}
+
+// LLMSERVE_BRGEMM=0: float32 prompts through torch's bfloat16 GEMM and a widening copy (benchmarks)
+bool brgemm_allowed() {
+  static const bool allowed = [] {
+    const char* value = std::getenv("LLMSERVE_BRGEMM");
+    return value == nullptr || std::strcmp(value, "0") != 0;
+  }();
+  return allowed;
 }
 
 // Whether float32 rows beyond the fused path's may multiply as int16 with vpdpwssd or vpmaddwd (gemm_int16) rather
@@ -928,11 +939,34 @@ int64_t int16_max_rows(int64_t bits) {
   return bits == 8 ? kBf16Int16MaxByteRows : kBf16Int16MaxRows;
 }
 
+// 8-bit weights: the most float32 rows gemm_int8 takes, beyond the fused path's (AVX512-VNNI without AMX). The
+// LM head on a Zen 4 (2 threads, ms per call, before: the fused path to 16 rows, gemm_int16 beyond / gemm_int8):
+// 12 rows 3.79 / 3.05, 16 rows 4.46 / 3.56, 32 rows 7.9 / 5.0, 64 rows 12.9 / 8.3, 128 rows 22.2 / 13.4; 8 rows
+// level with the fused path (2.4), so the fused path keeps 8 rows there as on an Intel Xeon. In a 16-stream
+// decode step: 5.5 -> 3.8 ms.
+constexpr int64_t kInt8MaxRows = 128;
+
+// LLMSERVE_INT8_ROWS=0: 8-bit weights beyond the fused path's rows take the int16 path or the tiles (benchmarks)
+bool int8_allowed() {
+  static const bool allowed = [] {
+    const char* value = std::getenv("LLMSERVE_INT8_ROWS");
+    return value == nullptr || std::strcmp(value, "0") != 0;
+  }();
+  return allowed;
+}
+
+int64_t int8_max_rows() {
+#ifdef GROUP_GEMM_AVX512
+  if (!amx_rows() && int8_allowed()) return kInt8MaxRows;
+#endif
+  return 0;
+}
+
 int64_t fused_max_rows(int64_t bits) {
 #ifdef GROUP_GEMM_AVX512
   if (int16_max_rows(bits) > 0) {
     if (bits == 4) return kVnniFusedRows;
-    return bfloat16_prompts() ? kFusedRows : kVnniByteFusedRows;
+    return int8_max_rows() > 0 || !bfloat16_prompts() ? kVnniByteFusedRows : kFusedRows;
   }
   if (bits == 8 && !amx_rows() && !bfloat16_prompts()) return kByteMaxRows;
 #elif defined(GROUP_GEMM_AVX2)
@@ -1242,8 +1276,17 @@ void int16_tile(const int16_t* xq, int64_t ldq, const float* xd, const float* xs
 }
 #endif
 
+// Rows [n0, n0 + kInt16Cols) of [N, groups] scales (or minimums), zeros past N -> dst [groups][kInt16Cols] float
+template <typename S>
+void pack_scales(const S* src, int64_t n0, int64_t N, int64_t groups, float* dst) {
+  for (int64_t c = 0; c < kInt16Cols; ++c) {
+    const int64_t n = n0 + c;
+    for (int64_t g = 0; g < groups; ++g) dst[g * kInt16Cols + c] = n < N ? to_float(src[n * groups + g]) : 0.0f;
+  }
+}
+
 // Weight rows [n0, n0 + kInt16Cols), zeros past N -> wt (pack_weights_int16), ws / wm [groups][kInt16Cols] float
-// scales and minimums.
+// scales and minimums (zeros without minimums).
 template <int Bits, typename S>
 void pack_int16(const uint8_t* q, const S* scale, const S* minimum, int64_t n0, int64_t N, int64_t K, int32_t* wt,
                 float* ws, float* wm) {
@@ -1295,6 +1338,217 @@ void gemm_int16(const float* x, int64_t M, int64_t K, const uint8_t* q, const S*
     }
   });
 }
+
+#ifdef GROUP_GEMM_AVX512
+// 8-bit weights (the LM head) from more rows than the fused path's to kInt8MaxRows: the fused path's int8
+// activations (per group, scale = largest magnitude / 127) against weight tiles transposed once per call into
+// vpdpbusd's layout ([group][quad p][32 weight rows]: values 4p .. 4p + 3 of the group as one int32), so that one
+// broadcast quad of x multiplies 16 weight rows, 64 products an instruction where gemm_int16's vpdpwssd makes 32.
+// The weights are biased by 128 (vpdpbusd's unsigned operand) and each sum starts at -128 * (the group's sum of
+// quantized x), which takes the bias out.
+struct PlainBytes {
+  std::vector<int8_t> q;        // [M, K]
+  std::vector<float> scale;     // [M, groups]
+  std::vector<float> sum;       // [M, groups]: the group's float sum of x (the minimum's term)
+  std::vector<int32_t> offset;  // [M, groups]: -128 * (the group's sum of q)
+};
+
+PlainBytes quantize_plain_bytes(const float* x, int64_t M, int64_t K) {
+  const int64_t groups = K / kGroup;
+  PlainBytes out{std::vector<int8_t>(M * K), std::vector<float>(M * groups), std::vector<float>(M * groups),
+                 std::vector<int32_t>(M * groups)};
+  at::parallel_for(0, M * groups, 4096, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float* v = x + i * kGroup;  // row i / groups, group i % groups: rows are whole groups
+      const __m512 a = _mm512_loadu_ps(v), b = _mm512_loadu_ps(v + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+      const __m512 inverse = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 1.0f);
+      const __m512i low = _mm512_cvtps_epi32(_mm512_mul_ps(a, inverse));  // to nearest, ties to even
+      const __m512i high = _mm512_cvtps_epi32(_mm512_mul_ps(b, inverse));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out.q.data() + i * kGroup), _mm512_cvtsepi32_epi8(low));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out.q.data() + i * kGroup + 16), _mm512_cvtsepi32_epi8(high));
+      out.scale[i] = amax > 0.0f ? amax / 127.0f : 1.0f;
+      out.sum[i] = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
+      out.offset[i] = -128 * _mm512_reduce_add_epi32(_mm512_add_epi32(low, high));
+    }
+  });
+  return out;
+}
+
+// Weight rows [n0, n0 + 32) of an 8-bit matrix, zeros past N -> wt [groups][8 quads][32] int32, biased by 128.
+void pack_weights_int8(const uint8_t* q, int64_t n0, int64_t N, int64_t K, int32_t* wt) {
+  const int64_t groups = K / kGroup;
+  const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
+  for (int half = 0; half < 2; ++half) {
+    for (int64_t g = 0; g < groups; g += 2) {  // two groups (64 bytes, 16 quads) per transpose
+      const __mmask64 bytes = g + 1 < groups ? ~__mmask64(0) : __mmask64(0xFFFFFFFF);
+      __m512i r[16];
+      for (int i = 0; i < 16; ++i) {
+        const int64_t n = n0 + half * 16 + i;
+        r[i] = n < N ? _mm512_maskz_loadu_epi8(bytes, q + n * K + g * kGroup) : _mm512_setzero_si512();
+      }
+      transpose16(r);
+      const int quads = g + 1 < groups ? 16 : 8;
+      for (int p = 0; p < quads; ++p)
+        _mm512_storeu_si512(wt + (g * 8 + p) * kInt16Cols + half * 16, _mm512_xor_si512(r[p], bias));
+    }
+  }
+}
+
+// R rows of quantized x against one packed tile: y[r * ldy + c] for c < cols.
+template <int R, bool Minimum>
+void int8_tile(const int8_t* xq, int64_t K, const float* xd, const float* xs, const int32_t* xo, int64_t groups,
+               const int32_t* wt, const float* ws, const float* wm, float* y, int64_t ldy, int64_t cols) {
+  __m512 f[R][2];
+  for (int r = 0; r < R; ++r) f[r][0] = f[r][1] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i a[R][2];
+    for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = _mm512_set1_epi32(xo[r * groups + g]);
+    const int32_t* wg = wt + g * 8 * kInt16Cols;
+#pragma GCC unroll 8
+    for (int p = 0; p < 8; ++p) {
+      const __m512i w0 = _mm512_loadu_si512(wg + p * kInt16Cols), w1 = _mm512_loadu_si512(wg + p * kInt16Cols + 16);
+      for (int r = 0; r < R; ++r) {
+        int32_t quad;
+        std::memcpy(&quad, xq + r * K + g * kGroup + 4 * p, sizeof quad);
+        const __m512i b = _mm512_set1_epi32(quad);
+        a[r][0] = _mm512_dpbusd_epi32(a[r][0], w0, b);
+        a[r][1] = _mm512_dpbusd_epi32(a[r][1], w1, b);
+      }
+    }
+    const __m512 s0 = _mm512_loadu_ps(ws + g * kInt16Cols), s1 = _mm512_loadu_ps(ws + g * kInt16Cols + 16);
+    for (int r = 0; r < R; ++r) {
+      const __m512 d = _mm512_set1_ps(xd[r * groups + g]);
+      f[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[r][0]), _mm512_mul_ps(s0, d), f[r][0]);
+      f[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[r][1]), _mm512_mul_ps(s1, d), f[r][1]);
+    }
+    if constexpr (Minimum) {
+      const __m512 m0 = _mm512_loadu_ps(wm + g * kInt16Cols), m1 = _mm512_loadu_ps(wm + g * kInt16Cols + 16);
+      for (int r = 0; r < R; ++r) {
+        const __m512 sum = _mm512_set1_ps(xs[r * groups + g]);
+        f[r][0] = _mm512_fmadd_ps(sum, m0, f[r][0]);
+        f[r][1] = _mm512_fmadd_ps(sum, m1, f[r][1]);
+      }
+    }
+  }
+  const __mmask16 first = cols >= 16 ? 0xFFFF : (1u << cols) - 1, second = cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : (1u << (cols - 16)) - 1;
+  for (int r = 0; r < R; ++r) {
+    _mm512_mask_storeu_ps(y + r * ldy, first, f[r][0]);
+    _mm512_mask_storeu_ps(y + r * ldy + 16, second, f[r][1]);
+  }
+}
+
+template <typename S>
+void gemm_int8(const float* x, int64_t M, int64_t K, const uint8_t* q, const S* scale, const S* minimum, int64_t N,
+               float* y) {
+  const int64_t groups = K / kGroup;
+  const PlainBytes rows = quantize_plain_bytes(x, M, K);
+  const int64_t tiles = (N + kInt16Cols - 1) / kInt16Cols;
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<int32_t> wt;
+    thread_local std::vector<float> ws, wm;
+    wt.resize(groups * 8 * kInt16Cols);
+    ws.resize(groups * kInt16Cols);
+    wm.resize(groups * kInt16Cols);
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t n0 = t * kInt16Cols, cols = std::min(kInt16Cols, N - n0);
+      pack_weights_int8(q, n0, N, K, wt.data());
+      pack_scales(scale, n0, N, groups, ws.data());
+      if (minimum) pack_scales(minimum, n0, N, groups, wm.data());
+      auto pass = [&](int64_t m, auto count, auto with_minimum) {
+        int8_tile<decltype(count)::value, decltype(with_minimum)::value>(
+            rows.q.data() + m * K, K, rows.scale.data() + m * groups, rows.sum.data() + m * groups,
+            rows.offset.data() + m * groups, groups, wt.data(), ws.data(), wm.data(), y + m * N + n0, N, cols);
+      };
+      auto all_rows = [&](auto with_minimum) {
+        int64_t m = 0;
+        for (; m + kInt16Rows <= M; m += kInt16Rows) pass(m, std::integral_constant<int, kInt16Rows>{}, with_minimum);
+        switch (M - m) {
+          case 5: pass(m, std::integral_constant<int, 5>{}, with_minimum); break;
+          case 4: pass(m, std::integral_constant<int, 4>{}, with_minimum); break;
+          case 3: pass(m, std::integral_constant<int, 3>{}, with_minimum); break;
+          case 2: pass(m, std::integral_constant<int, 2>{}, with_minimum); break;
+          case 1: pass(m, std::integral_constant<int, 1>{}, with_minimum); break;
+          default: break;
+        }
+      };
+      if (minimum) all_rows(std::true_type{});
+      else all_rows(std::false_type{});
+    }
+  });
+}
+#endif
+#endif
+
+#if defined(GROUP_GEMM_AVX512) && defined(__AVX512BF16__)
+// Float32 prompts on an AMD CPU with AVX512-BF16 (Zen 4): the weights dequantized to bfloat16 in the VNNI pairs
+// oneDNN's brgemm micro-kernel reads ([K / 2][N][2], kept between calls as the tiled path's dense matrix) and x
+// rounded to bfloat16, multiplied by the micro-kernel into y in float32, where torch's bfloat16 GEMM writes
+// bfloat16 that must then be widened: that widening of gate/up's [256, 3072] product took 0.4-0.6 ms of each
+// 2.4 ms prompt GEMM (its destination cold in cache). Same rounding as the tiled path: x and the weights to
+// bfloat16, float32 sums. A prefill of 16 x 146 tokens, 8 alternating rounds in one process: median 2.69 -> 2.54 s
+// (LLMSERVE_BRGEMM=0 / default); 256 rows per call in cache: q/k/v and o 10-18 % faster, gate/up level. Matrices
+// over kWholeBytes dequantized (the LM head) keep the tiles.
+constexpr int64_t kBrgemmRows = 32, kBrgemmCols = 64;  // x rows and weight rows per micro-kernel call
+
+// Whether torch's build runs the micro-kernel on this CPU (oneDNN's ukernel API compiled in, bfloat16 supported):
+// one small product tried once, since cpublas::brgemm raises where it cannot
+bool brgemm_runs() {
+  static const bool runs = [] {
+    try {
+      std::vector<at::BFloat16> a(16 * 32, at::BFloat16(1.0f)), b(32 * 16, at::BFloat16(1.0f));
+      std::vector<float> c(16 * 16);
+      at::native::cpublas::brgemm(16, 16, 32, 32, 16, 16, false, a.data(), b.data(), c.data(), true);
+      at::native::cpublas::brgemm_release();
+      return c[0] == 32.0f && c[255] == 32.0f;
+    } catch (const std::exception&) {
+      return false;
+    }
+  }();
+  return runs;
+}
+
+template <int Bits, typename S>
+void gemm_brgemm(const at::Tensor& xb, const uint8_t* q, const S* scale, const S* minimum, int64_t N, float* y) {
+  const int64_t M = xb.size(0), K = xb.size(1), groups = K / kGroup, row_bytes = groups * group_bytes(Bits);
+  const int64_t padded = (N + 15) / 16 * 16;
+  at::Tensor dense = dense_scratch(padded, K, xb.options());
+  auto* pairs = reinterpret_cast<int32_t*>(dense.data_ptr<at::BFloat16>());  // [K / 2][padded]
+  at::parallel_for(0, padded / 16, 1, [&](int64_t begin, int64_t end) {
+    std::vector<at::BFloat16> rows(16 * K);
+    std::vector<float> scratch;
+    for (int64_t b = begin; b < end; ++b) {
+      for (int64_t i = 0; i < 16; ++i) {
+        const int64_t n = b * 16 + i;
+        if (n < N)
+          dequantize_row_as<Bits, at::BFloat16>(q + n * row_bytes, scale + n * groups,
+                                                minimum ? minimum + n * groups : nullptr, K, rows.data() + i * K,
+                                                scratch);
+        else
+          std::fill_n(rows.data() + i * K, K, at::BFloat16(0.0f));
+      }
+      const auto* rp = reinterpret_cast<const int32_t*>(rows.data());  // [16][K / 2] pairs
+      for (int64_t p = 0; p < K / 2; p += 16) {
+        __m512i r[16];
+        for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(rp + i * (K / 2) + p);
+        transpose16(r);
+        for (int i = 0; i < 16; ++i) _mm512_storeu_si512(pairs + (p + i) * padded + b * 16, r[i]);
+      }
+    }
+  });
+  const int64_t row_blocks = (M + kBrgemmRows - 1) / kBrgemmRows, col_blocks = (N + kBrgemmCols - 1) / kBrgemmCols;
+  const auto* xp = xb.data_ptr<at::BFloat16>();
+  const auto* wp = dense.data_ptr<at::BFloat16>();
+  // a column block's weights (K x 64 bfloat16, 72 KiB at K = 576) stay in cache while every row block passes
+  at::parallel_for(0, row_blocks * col_blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t n0 = t / row_blocks * kBrgemmCols, m0 = t % row_blocks * kBrgemmRows;
+      at::native::cpublas::brgemm(std::min(kBrgemmRows, M - m0), std::min(kBrgemmCols, N - n0), K, K, padded, N,
+                                  false, xp + m0 * K, wp + n0 * 2, y + m0 * N + n0, true);
+    }
+    at::native::cpublas::brgemm_release();
+  });
+}
 #endif
 
 // y = x W^T with S the scales' and minimums' type (float or at::Half); mn null for symmetric weights
@@ -1316,6 +1570,12 @@ void group_linear_into(const at::Tensor& xc, const uint8_t* qp, const S* sp, con
     return;
   }
 #endif
+#ifdef GROUP_GEMM_AVX512
+  if (!bf16 && bits == 8 && M > fused_max_rows(8) && M <= int8_max_rows()) {
+    gemm_int8(xc.data_ptr<float>(), M, K, qp, sp, mn, N, y.data_ptr<float>());
+    return;
+  }
+#endif
   // bfloat16 rows keep the fused path to kFusedRows: gemm_int16 takes float32 ones only
   if (M > (bf16 ? std::max(kFusedRows, fused_max_rows(bits)) : fused_max_rows(bits))) {
 #ifdef GROUP_GEMM_AVX2
@@ -1327,6 +1587,15 @@ void group_linear_into(const at::Tensor& xc, const uint8_t* qp, const S* sp, con
 #endif
     // float32 rows too are multiplied in bfloat16 where the CPU does that natively (prompts: twice the speed); the
     // few-row paths, which decode steps take, keep float32 activations
+#if defined(GROUP_GEMM_AVX512) && defined(__AVX512BF16__)
+    if (!bf16 && bfloat16_prompts() && !amx_rows() && brgemm_allowed() &&
+        N * K * static_cast<int64_t>(sizeof(at::BFloat16)) <= kWholeBytes && brgemm_runs()) {
+      const at::Tensor xb = xc.to(at::kBFloat16);
+      if (bits == 4) gemm_brgemm<4>(xb, qp, sp, mn, N, y.data_ptr<float>());
+      else gemm_brgemm<8>(xb, qp, sp, mn, N, y.data_ptr<float>());
+      return;
+    }
+#endif
     if (bf16 || bfloat16_prompts()) {
       const at::Tensor xb = xc.to(at::kBFloat16);  // no copy when x is bfloat16 already
       at::Tensor yb = bf16 ? y : at::empty({M, N}, xc.options().dtype(at::kBFloat16));
@@ -1409,7 +1678,8 @@ TORCH_LIBRARY(llmserve_kernels, m) {
   m.def("int8_rows() -> int", &int8_rows);
   m.def("bfloat16_prompts() -> bool", &bfloat16_prompts);  // whether float32 rows beyond those multiply in bfloat16
   m.def("amx_takes(int rows) -> bool", &amx_takes);
-  m.def("int16_rows(int bits) -> int", &int16_max_rows);  // the most float32 rows beyond those that multiply as int16
+  m.def("int16_rows(int bits) -> int", &int16_max_rows);
+  m.def("int8_max_rows() -> int", &int8_max_rows);  // the most float32 rows of 8-bit weights with int8 activations  // the most float32 rows beyond those that multiply as int16
 }
 
 TORCH_LIBRARY_IMPL(llmserve_kernels, CPU, m) { m.impl("group_linear", &group_linear); }

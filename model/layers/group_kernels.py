@@ -169,6 +169,13 @@ def int8_rows() -> int:
     return int(torch.ops.llmserve_kernels.int8_rows())
 
 
+def int8_max_rows() -> int:
+    """The most float32 rows of 8-bit weights whose activations are rounded to int8: beyond fused_rows(8), up to this
+    many multiply with AVX512-VNNI's vpdpbusd against weight tiles transposed per call; 0 where none do (no
+    AVX512-VNNI, or AMX)."""
+    return int(torch.ops.llmserve_kernels.int8_max_rows())
+
+
 def amx_takes(rows: int) -> bool:
     """Whether that many rows multiply on AMX's bfloat16 tiles (x and the weights rounded to bfloat16), taking them
     from the int16 path or the tiled one: batched decode on a CPU with AMX."""

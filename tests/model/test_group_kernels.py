@@ -25,20 +25,26 @@ def grouped(bits: int, n: int, k: int, with_minimum: bool, seed: int) -> GroupQu
 
 def error_bound(x: torch.Tensor, weight: torch.Tensor, bits: int) -> torch.Tensor:
     """Up to fused_rows(bits) rows (and float32 rows up to int16_rows(bits)), activations are rounded to int16
-    steps of their group's largest magnitude / 32767 (8-bit weights from int8_rows() up to fused_rows(8) rows: int8
-    steps, / 127): each by at most half a step, times the weights it
+    steps of their group's largest magnitude / 32767 (8-bit weights from int8_rows() up to fused_rows(8) rows, and
+    float32 rows beyond up to int8_max_rows(): int8 steps, / 127): each by at most half a step, times the weights it
     multiplies; plus float32's rounding of the sums. bfloat16 rows: the output's own rounding (half an ulp, 2^-9
     relative) and, on the tiled path, each weight's; float32 rows on the tiled path of a CPU with AVX512-BF16, or on
     AMX's, round x as well."""
     rows, w = x.shape[0], weight.double().abs()
     amx = group_kernels.amx_takes(rows)
     fused = rows <= group_kernels.fused_rows(bits) and not amx
-    int8 = fused and bits == 8 and 0 < group_kernels.int8_rows() <= rows
+    # 8-bit weights' float32 rows beyond the fused path's, up to int8_max_rows(): int8, as the fused path's
+    int8_path = (
+        bits == 8 and not fused and not amx and x.dtype == torch.float32 and rows <= group_kernels.int8_max_rows()
+    )
+    int8 = (fused and bits == 8 and 0 < group_kernels.int8_rows() <= rows) or int8_path
     # float32 rows beyond the fused path's up to int16_rows(bits) (all of them where the CPU has neither AVX512-BF16
     # nor AMX; batched decode on an AMD CPU with it): int16, as the fused path
-    int16_path = not fused and not amx and x.dtype == torch.float32 and rows <= group_kernels.int16_rows(bits)
+    int16_path = (
+        not fused and not amx and not int8_path and x.dtype == torch.float32 and rows <= group_kernels.int16_rows(bits)
+    )
     step = x.double().abs().view(rows, -1, 32).amax(-1) / (127 if int8 else 32767)  # [rows, groups]
-    rounded = fused or int16_path
+    rounded = fused or int16_path or int8_path
     rounding = (step / 2) @ w.view(w.shape[0], -1, 32).sum(-1).T if rounded else 0
     magnitude = x.double().abs() @ w.T
     bound = rounding + 1e-6 * magnitude
