@@ -58,9 +58,15 @@ class Settings(BaseSettings):
     block_size: int = Field(16, description="tokens per KV block")
     max_num_seqs: int = Field(64, description="most sequences in one step")
     max_num_batched_tokens: int = Field(
-        256,
+        512,
         description="most tokens (prefill + decode) in one step; "
         "smaller keeps running streams flowing during long prompts",
+    )
+    long_prefill_token_threshold: int = Field(
+        256,
+        ge=0,
+        description="a prompt with more tokens than this goes in chunks of at most this many, one such prompt per "
+        "step, so running streams keep flowing while it is prefilled; 0: only --max-num-batched-tokens caps them",
     )
     enable_prefix_caching: bool = Field(True, description="reuse KV blocks of earlier prompts with the same prefix")
 

@@ -108,7 +108,12 @@ class Engine:
         self.spec_drafts = self.spec_draft_tokens = self.spec_accepted_tokens = 0
         self.max_model_len = self.runner.max_model_len
         self.block_manager = BlockManager(self.runner.num_blocks, settings.block_size, settings.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, settings.max_num_seqs, settings.max_num_batched_tokens)
+        self.scheduler = Scheduler(
+            self.block_manager,
+            settings.max_num_seqs,
+            settings.max_num_batched_tokens,
+            settings.long_prefill_token_threshold,
+        )
         self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         self._sequences: dict[str, Sequence] = {}
         self._generators: dict[str, torch.Generator] = {}

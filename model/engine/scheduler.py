@@ -1,8 +1,12 @@
 """Scheduler: which sequences run this step and with how many tokens.
 
 Running sequences go first (oldest first), each with one decode token or the next chunk of its prompt; then
-waiting ones are admitted while the token budget, the sequence cap and free blocks allow. When blocks run out
-the newest running sequence is preempted: its blocks are freed and it is recomputed later (slowed, never failed)."""
+waiting ones are admitted while the token budget, the sequence cap and free blocks allow. A long prompt (more
+tokens than long_prefill_token_threshold) goes in chunks of at most that many, one such prompt per
+step, as vLLM's --long-prefill-token-threshold with one long partial prefill: short prompts fill the rest of a
+larger budget, so a burst of them is prefilled in fewer steps, while a long one never stretches the step that
+running streams wait on. When blocks run out the newest running sequence is preempted: its blocks are freed and
+it is recomputed later (slowed, never failed)."""
 
 from collections import deque
 from dataclasses import dataclass, field
@@ -34,10 +38,17 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        long_prefill_token_threshold: int = 0,
+    ) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.long_prefill_token_threshold = long_prefill_token_threshold  # 0: none
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
         self.num_preemptions = 0
@@ -65,14 +76,25 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
+    def _is_long(self, seq: Sequence) -> bool:
+        """A prompt longer than the threshold, still prefilling (its last chunk too: beside another long prompt's
+        chunk it would double the step)."""
+        return 0 < self.long_prefill_token_threshold < len(seq) and len(seq) - seq.num_computed_tokens > 1
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         bm = self.block_manager
+        long_taken = False  # a long prompt's chunk is in this step
         for seq in list(self.running):
             if seq.status != SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
             n = min(len(seq) - seq.num_computed_tokens, budget)
+            if self._is_long(seq):
+                if long_taken:
+                    continue
+                long_taken = True
+                n = min(n, self.long_prefill_token_threshold)
             if n <= 0:
                 continue
             spec = 0
@@ -97,6 +119,13 @@ class Scheduler:
             seq = self.waiting[0]
             bm.allocate_prompt(seq)
             n = min(len(seq) - seq.num_computed_tokens, budget)
+            long = self._is_long(seq)
+            if long and long_taken:
+                bm.free_sequence(seq)  # first come, first served: it goes in with the next step
+                break
+            if long:
+                long_taken = True
+                n = min(n, self.long_prefill_token_threshold)
             if not bm.can_append(seq, n):
                 bm.free_sequence(seq)  # hand back the cached blocks it was about to reuse
                 break

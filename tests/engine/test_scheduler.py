@@ -89,3 +89,25 @@ def test_random_load_with_aborts_leaks_nothing() -> None:
     assert bm.num_free == bm.num_blocks
     assert all(b.ref_count == 0 for b in bm.blocks)
     assert all(s.status == SequenceStatus.FINISHED for s in live)
+
+
+def test_short_prompts_fill_the_budget_while_long_ones_go_one_chunk_at_a_time() -> None:
+    sched = Scheduler(
+        BlockManager(400, 16), max_num_seqs=16, max_num_batched_tokens=512, long_prefill_token_threshold=256
+    )
+    for i in range(4):
+        sched.add(Sequence(f"short{i}", [1] * 146, SamplingParams(max_tokens=50)))
+    rows = dict(run_step(sched))
+    # three whole prompts and 74 tokens of the fourth: a burst of short prompts takes the whole budget
+    assert rows == {"short0": 146, "short1": 146, "short2": 146, "short3": 74}
+    run_step(sched)  # the fourth's last 72 tokens
+    sched.add(Sequence("long0", list(range(1000)), SamplingParams(max_tokens=2)))
+    sched.add(Sequence("long1", list(range(1000, 1900)), SamplingParams(max_tokens=2)))
+    for _ in range(3):
+        rows = dict(run_step(sched))
+        assert all(rows[f"short{i}"] == 1 for i in range(4))  # the streams get their token every step
+        assert rows["long0"] == 256 and "long1" not in rows  # one long prompt per step, in chunks of 256
+    rows = dict(run_step(sched))  # long0's last chunk: still the step's one long prompt
+    assert rows["long0"] == 232 and "long1" not in rows
+    rows = dict(run_step(sched))
+    assert rows["long0"] == 1 and rows["long1"] == 256
