@@ -1286,19 +1286,14 @@ void pack_scales(const S* src, int64_t n0, int64_t N, int64_t groups, float* dst
 }
 
 // Weight rows [n0, n0 + kInt16Cols), zeros past N -> wt (pack_weights_int16), ws / wm [groups][kInt16Cols] float
-// scales and minimums (zeros without minimums).
+// scales and minimums (wm untouched without minimums: the tile reads it only with them).
 template <int Bits, typename S>
 void pack_int16(const uint8_t* q, const S* scale, const S* minimum, int64_t n0, int64_t N, int64_t K, int32_t* wt,
                 float* ws, float* wm) {
   const int64_t groups = K / kGroup;
   pack_weights_int16<Bits>(q, n0, N, K, wt);
-  for (int64_t c = 0; c < kInt16Cols; ++c) {
-    const int64_t n = n0 + c;
-    for (int64_t g = 0; g < groups; ++g) {
-      ws[g * kInt16Cols + c] = n < N ? to_float(scale[n * groups + g]) : 0.0f;
-      wm[g * kInt16Cols + c] = n < N && minimum ? to_float(minimum[n * groups + g]) : 0.0f;
-    }
-  }
+  pack_scales(scale, n0, N, groups, ws);
+  if (minimum) pack_scales(minimum, n0, N, groups, wm);
 }
 
 template <int Bits, typename T, typename S>
