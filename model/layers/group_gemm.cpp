@@ -56,12 +56,15 @@ namespace {
 
 constexpr int64_t kGroup = 32;
 
+// A path's switch for benchmarks: on unless the variable is "0" (each caller reads it once)
+bool switched_on(const char* name) {
+  const char* value = std::getenv(name);
+  return value == nullptr || std::strcmp(value, "0") != 0;
+}
+
 // LLMSERVE_AMX=0 runs as on a CPU without AMX (benchmarks of those paths on a machine that has it)
 bool amx_allowed() {
-  static const bool allowed = [] {
-    const char* value = std::getenv("LLMSERVE_AMX");
-    return value == nullptr || std::strcmp(value, "0") != 0;
-  }();
+  static const bool allowed = switched_on("LLMSERVE_AMX");
   return allowed;
 }
 
@@ -122,10 +125,7 @@ bool bfloat16_prompts() {
 
 // LLMSERVE_BRGEMM=0: float32 prompts through torch's bfloat16 GEMM and a widening copy (benchmarks)
 bool brgemm_allowed() {
-  static const bool allowed = [] {
-    const char* value = std::getenv("LLMSERVE_BRGEMM");
-    return value == nullptr || std::strcmp(value, "0") != 0;
-  }();
+  static const bool allowed = switched_on("LLMSERVE_BRGEMM");
   return allowed;
 }
 
@@ -134,10 +134,7 @@ bool brgemm_allowed() {
 // up to how many.
 bool int16_allowed() {
 #ifdef GROUP_GEMM_AVX2
-  static const bool allowed = [] {
-    const char* value = std::getenv("LLMSERVE_INT16_PROMPTS");
-    return value == nullptr || std::strcmp(value, "0") != 0;
-  }();
+  static const bool allowed = switched_on("LLMSERVE_INT16_PROMPTS");
   return allowed;
 #else
   return false;
@@ -279,19 +276,25 @@ struct ByteRows {
   int64_t ldq, ldd;
 };
 
+// One group's 32 values as int8 steps of its largest magnitude / 127 (values 0..15 in low, 16..31 in high, as
+// int32); returns the step
+inline float quantize_group_int8(const float* v, __m512i& low, __m512i& high) {
+  const __m512 a = _mm512_loadu_ps(v), b = _mm512_loadu_ps(v + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+  const __m512 inverse = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 1.0f);
+  low = _mm512_cvtps_epi32(_mm512_mul_ps(a, inverse));  // to nearest, ties to even
+  high = _mm512_cvtps_epi32(_mm512_mul_ps(b, inverse));
+  return amax > 0.0f ? amax / 127.0f : 1.0f;
+}
+
 ByteRows quantize_bytes(const float* x, int64_t M, int64_t K) {
   const int64_t groups = K / kGroup, padded = (groups + 3) / 4 * 4, ldq = padded * kGroup, ldd = padded * 4;
   ByteRows out{std::vector<int8_t>(M * ldq), std::vector<float>(M * ldd), std::vector<float>(M * groups), ldq, ldd};
   at::parallel_for(0, M * groups, 4096, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t m = i / groups, g = i % groups;
-      const float* v = x + m * K + g * kGroup;
-      const __m512 a = _mm512_loadu_ps(v), b = _mm512_loadu_ps(v + 16);
-      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
-      const float scale = amax > 0.0f ? amax / 127.0f : 1.0f;
-      const __m512 inverse = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 1.0f);
-      const __m512i low = _mm512_cvtps_epi32(_mm512_mul_ps(a, inverse));  // to nearest, ties to even
-      const __m512i high = _mm512_cvtps_epi32(_mm512_mul_ps(b, inverse));
+      __m512i low, high;
+      const float scale = quantize_group_int8(x + m * K + g * kGroup, low, high);
       int8_t* base = out.q.data() + m * ldq + (g / 4) * 128 + (g % 4) * 16;
       _mm_storeu_si128(reinterpret_cast<__m128i*>(base), _mm512_cvtsepi32_epi8(low));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(base + 64), _mm512_cvtsepi32_epi8(high));
@@ -948,10 +951,7 @@ constexpr int64_t kInt8MaxRows = 128;
 
 // LLMSERVE_INT8_ROWS=0: 8-bit weights beyond the fused path's rows take the int16 path or the tiles (benchmarks)
 bool int8_allowed() {
-  static const bool allowed = [] {
-    const char* value = std::getenv("LLMSERVE_INT8_ROWS");
-    return value == nullptr || std::strcmp(value, "0") != 0;
-  }();
+  static const bool allowed = switched_on("LLMSERVE_INT8_ROWS");
   return allowed;
 }
 
@@ -1296,6 +1296,26 @@ void pack_int16(const uint8_t* q, const S* scale, const S* minimum, int64_t n0, 
   if (minimum) pack_scales(minimum, n0, N, groups, wm);
 }
 
+// Rows [0, M) of x against one packed tile, kInt16Rows at a time (the micro-kernels' register budget) and the rest
+// in one shorter pass: pass(first row, std::integral_constant<int, rows>, std::bool_constant<with minimums>)
+template <typename Pass>
+void row_passes(int64_t M, bool with_minimum, const Pass& pass) {
+  auto all_rows = [&](auto minimum) {
+    int64_t m = 0;
+    for (; m + kInt16Rows <= M; m += kInt16Rows) pass(m, std::integral_constant<int, kInt16Rows>{}, minimum);
+    switch (M - m) {
+      case 5: pass(m, std::integral_constant<int, 5>{}, minimum); break;
+      case 4: pass(m, std::integral_constant<int, 4>{}, minimum); break;
+      case 3: pass(m, std::integral_constant<int, 3>{}, minimum); break;
+      case 2: pass(m, std::integral_constant<int, 2>{}, minimum); break;
+      case 1: pass(m, std::integral_constant<int, 1>{}, minimum); break;
+      default: break;
+    }
+  };
+  if (with_minimum) all_rows(std::true_type{});
+  else all_rows(std::false_type{});
+}
+
 template <int Bits, typename T, typename S>
 void gemm_int16(const float* x, int64_t M, int64_t K, const uint8_t* q, const S* scale, const S* minimum, int64_t N,
                T* y) {
@@ -1311,25 +1331,11 @@ void gemm_int16(const float* x, int64_t M, int64_t K, const uint8_t* q, const S*
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n0 = t * kInt16Cols, cols = std::min(kInt16Cols, N - n0);
       pack_int16<Bits>(q, scale, minimum, n0, N, K, wt.data(), ws.data(), wm.data());
-      auto pass = [&](int64_t m, auto count, auto with_minimum) {
+      row_passes(M, minimum != nullptr, [&](int64_t m, auto count, auto with_minimum) {
         int16_tile<decltype(count)::value, decltype(with_minimum)::value>(
             rows.q.data() + m * rows.ldq, rows.ldq, rows.scale.data() + m * rows.ldd, rows.sum.data() + m * groups,
             groups, wt.data(), ws.data(), wm.data(), y + m * N + n0, N, cols);
-      };
-      auto all_rows = [&](auto with_minimum) {
-        int64_t m = 0;
-        for (; m + kInt16Rows <= M; m += kInt16Rows) pass(m, std::integral_constant<int, kInt16Rows>{}, with_minimum);
-        switch (M - m) {
-          case 5: pass(m, std::integral_constant<int, 5>{}, with_minimum); break;
-          case 4: pass(m, std::integral_constant<int, 4>{}, with_minimum); break;
-          case 3: pass(m, std::integral_constant<int, 3>{}, with_minimum); break;
-          case 2: pass(m, std::integral_constant<int, 2>{}, with_minimum); break;
-          case 1: pass(m, std::integral_constant<int, 1>{}, with_minimum); break;
-          default: break;
-        }
-      };
-      if (minimum) all_rows(std::true_type{});
-      else all_rows(std::false_type{});
+      });
     }
   });
 }
@@ -1355,15 +1361,11 @@ PlainBytes quantize_plain_bytes(const float* x, int64_t M, int64_t K) {
   at::parallel_for(0, M * groups, 4096, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const float* v = x + i * kGroup;  // row i / groups, group i % groups: rows are whole groups
-      const __m512 a = _mm512_loadu_ps(v), b = _mm512_loadu_ps(v + 16);
-      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
-      const __m512 inverse = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 1.0f);
-      const __m512i low = _mm512_cvtps_epi32(_mm512_mul_ps(a, inverse));  // to nearest, ties to even
-      const __m512i high = _mm512_cvtps_epi32(_mm512_mul_ps(b, inverse));
+      __m512i low, high;
+      out.scale[i] = quantize_group_int8(v, low, high);
       _mm_storeu_si128(reinterpret_cast<__m128i*>(out.q.data() + i * kGroup), _mm512_cvtsepi32_epi8(low));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(out.q.data() + i * kGroup + 16), _mm512_cvtsepi32_epi8(high));
-      out.scale[i] = amax > 0.0f ? amax / 127.0f : 1.0f;
-      out.sum[i] = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
+      out.sum[i] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_loadu_ps(v), _mm512_loadu_ps(v + 16)));
       out.offset[i] = -128 * _mm512_reduce_add_epi32(_mm512_add_epi32(low, high));
     }
   });
@@ -1450,25 +1452,11 @@ void gemm_int8(const float* x, int64_t M, int64_t K, const uint8_t* q, const S* 
       pack_weights_int8(q, n0, N, K, wt.data());
       pack_scales(scale, n0, N, groups, ws.data());
       if (minimum) pack_scales(minimum, n0, N, groups, wm.data());
-      auto pass = [&](int64_t m, auto count, auto with_minimum) {
+      row_passes(M, minimum != nullptr, [&](int64_t m, auto count, auto with_minimum) {
         int8_tile<decltype(count)::value, decltype(with_minimum)::value>(
             rows.q.data() + m * K, K, rows.scale.data() + m * groups, rows.sum.data() + m * groups,
             rows.offset.data() + m * groups, groups, wt.data(), ws.data(), wm.data(), y + m * N + n0, N, cols);
-      };
-      auto all_rows = [&](auto with_minimum) {
-        int64_t m = 0;
-        for (; m + kInt16Rows <= M; m += kInt16Rows) pass(m, std::integral_constant<int, kInt16Rows>{}, with_minimum);
-        switch (M - m) {
-          case 5: pass(m, std::integral_constant<int, 5>{}, with_minimum); break;
-          case 4: pass(m, std::integral_constant<int, 4>{}, with_minimum); break;
-          case 3: pass(m, std::integral_constant<int, 3>{}, with_minimum); break;
-          case 2: pass(m, std::integral_constant<int, 2>{}, with_minimum); break;
-          case 1: pass(m, std::integral_constant<int, 1>{}, with_minimum); break;
-          default: break;
-        }
-      };
-      if (minimum) all_rows(std::true_type{});
-      else all_rows(std::false_type{});
+      });
     }
   });
 }
