@@ -81,6 +81,14 @@ class Scheduler:
         chunk it would double the step)."""
         return 0 < self.long_prefill_token_threshold < len(seq) and len(seq) - seq.num_computed_tokens > 1
 
+    def _tokens_this_step(self, seq: Sequence, budget: int, long_taken: bool) -> tuple[int, bool]:
+        """How many of seq's tokens to compute this step (0 for a long prompt while another one's chunk is in the
+        step) and whether seq is a long prompt."""
+        n = min(len(seq) - seq.num_computed_tokens, budget)
+        if not self._is_long(seq):
+            return n, False
+        return (0 if long_taken else min(n, self.long_prefill_token_threshold)), True
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
@@ -89,14 +97,10 @@ class Scheduler:
         for seq in list(self.running):
             if seq.status != SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            n = min(len(seq) - seq.num_computed_tokens, budget)
-            if self._is_long(seq):
-                if long_taken:
-                    continue
-                long_taken = True
-                n = min(n, self.long_prefill_token_threshold)
+            n, long = self._tokens_this_step(seq, budget, long_taken)
             if n <= 0:
                 continue
+            long_taken |= long
             spec = 0
             if seq.spec_token_ids and n == len(seq) - seq.num_computed_tokens:  # proposals count in the budget
                 spec = min(len(seq.spec_token_ids), budget - n)
@@ -118,14 +122,11 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.num_preempted:
             seq = self.waiting[0]
             bm.allocate_prompt(seq)
-            n = min(len(seq) - seq.num_computed_tokens, budget)
-            long = self._is_long(seq)
-            if long and long_taken:
-                bm.free_sequence(seq)  # first come, first served: it goes in with the next step
+            n, long = self._tokens_this_step(seq, budget, long_taken)
+            if n == 0:  # a long prompt behind another: first come, first served, it goes in with the next step
+                bm.free_sequence(seq)
                 break
-            if long:
-                long_taken = True
-                n = min(n, self.long_prefill_token_threshold)
+            long_taken |= long
             if not bm.can_append(seq, n):
                 bm.free_sequence(seq)  # hand back the cached blocks it was about to reuse
                 break
