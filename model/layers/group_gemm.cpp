@@ -1279,10 +1279,32 @@ void int16_tile(const int16_t* xq, int64_t ldq, const float* xd, const float* xs
 // Rows [n0, n0 + kInt16Cols) of [N, groups] scales (or minimums), zeros past N -> dst [groups][kInt16Cols] float
 template <typename S>
 void pack_scales(const S* src, int64_t n0, int64_t N, int64_t groups, float* dst) {
+#ifdef GROUP_GEMM_AVX512
+  // 16 columns by 16 groups at a time, transposed in registers: the scalar loop's strided stores took 12 % of a
+  // 16-row gate/up call on a Zen 5 (perf)
+  for (int64_t half = 0; half < kInt16Cols; half += 16)
+    for (int64_t g0 = 0; g0 < groups; g0 += 16) {
+      const int64_t count = std::min<int64_t>(16, groups - g0);
+      const __mmask16 mask = (1u << count) - 1;
+      __m512i r[16];
+      for (int i = 0; i < 16; ++i) {
+        const int64_t n = n0 + half + i;
+        const S* row = src + n * groups + g0;
+        __m512 v;
+        if (n >= N) v = _mm512_setzero_ps();
+        else if constexpr (std::is_same_v<S, float>) v = _mm512_maskz_loadu_ps(mask, row);
+        else v = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, row));
+        r[i] = _mm512_castps_si512(v);
+      }
+      transpose16(r);
+      for (int64_t g = 0; g < count; ++g) _mm512_storeu_si512(dst + (g0 + g) * kInt16Cols + half, r[g]);
+    }
+#else
   for (int64_t c = 0; c < kInt16Cols; ++c) {
     const int64_t n = n0 + c;
     for (int64_t g = 0; g < groups; ++g) dst[g * kInt16Cols + c] = n < N ? to_float(src[n * groups + g]) : 0.0f;
   }
+#endif
 }
 
 // Weight rows [n0, n0 + kInt16Cols), zeros past N -> wt (pack_weights_int16), ws / wm [groups][kInt16Cols] float

@@ -91,15 +91,15 @@ def test_bfloat16_rows_come_back_in_bfloat16(bits: int, rows: int) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_float16_scales_as_a_gguf_stores_them(bits: int, with_minimum: bool, rows: int, dtype: torch.dtype) -> None:
     """A GGUF's own float16 scales and minimums, read as they are: the same product as their float32 widening on
-    every path, within the float64 reference's bound."""
-    weight = grouped(bits, 70, 160, with_minimum, seed=rows)
+    every path, within the float64 reference's bound. 18 groups: the scales go into tiles 16 groups at a time."""
+    weight = grouped(bits, 70, 576, with_minimum, seed=rows)
     half = GroupQuantized(
         bits, weight.data, weight.scale.half(), None if weight.minimum is None else weight.minimum.half()
     )
     widened = GroupQuantized(
         bits, weight.data, half.scale.float(), None if half.minimum is None else half.minimum.float()
     )
-    x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(rows)).to(dtype)
+    x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows)).to(dtype)
     out = run(half, x)
     assert out.dtype == dtype and out.shape == (rows, 70)
     assert torch.equal(out, run(widened, x))
