@@ -1307,13 +1307,24 @@ void pack_scales(const S* src, int64_t n0, int64_t N, int64_t groups, float* dst
 #endif
 }
 
+// Weight rows [n0, n0 + kInt16Cols) copied into a buffer of this thread's: one sequential read, which the hardware
+// prefetchers follow, where the packs' 16- or 32-byte reads down the tile's rows, a row's length apart, left them
+// idle. Weights from memory (the decode step's case), 2 threads, a Zen 5: gate/up, down and q/k/v at 16 rows
+// 389 -> 320 us, at 8 rows 468 -> 367.
+inline const uint8_t* staged_tile(const uint8_t* q, int64_t n0, int64_t N, int64_t row_bytes) {
+  thread_local std::vector<uint8_t> staged;
+  staged.resize(kInt16Cols * row_bytes);
+  std::memcpy(staged.data(), q + n0 * row_bytes, std::min(kInt16Cols, N - n0) * row_bytes);
+  return staged.data();
+}
+
 // Weight rows [n0, n0 + kInt16Cols), zeros past N -> wt (pack_weights_int16), ws / wm [groups][kInt16Cols] float
 // scales and minimums (wm untouched without minimums: the tile reads it only with them).
 template <int Bits, typename S>
 void pack_int16(const uint8_t* q, const S* scale, const S* minimum, int64_t n0, int64_t N, int64_t K, int32_t* wt,
                 float* ws, float* wm) {
   const int64_t groups = K / kGroup;
-  pack_weights_int16<Bits>(q, n0, N, K, wt);
+  pack_weights_int16<Bits>(staged_tile(q, n0, N, groups * group_bytes(Bits)), 0, std::min(kInt16Cols, N - n0), K, wt);
   pack_scales(scale, n0, N, groups, ws);
   if (minimum) pack_scales(minimum, n0, N, groups, wm);
 }
@@ -1471,7 +1482,7 @@ void gemm_int8(const float* x, int64_t M, int64_t K, const uint8_t* q, const S* 
     wm.resize(groups * kInt16Cols);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n0 = t * kInt16Cols, cols = std::min(kInt16Cols, N - n0);
-      pack_weights_int8(q, n0, N, K, wt.data());
+      pack_weights_int8(staged_tile(q, n0, N, K), 0, cols, K, wt.data());
       pack_scales(scale, n0, N, groups, ws.data());
       if (minimum) pack_scales(minimum, n0, N, groups, wm.data());
       row_passes(M, minimum != nullptr, [&](int64_t m, auto count, auto with_minimum) {
