@@ -917,8 +917,9 @@ constexpr int64_t kByteMaxRows = 64;
 // 4-bit weights where float32 rows beyond the fused path's multiply as int16 (gemm_int16, AVX512-VNNI): it unpacks each weight
 // once per call and multiplies 16 weight rows per instruction, the fused path one; from 6 rows it ran the default
 // model's four matrices faster (2 threads, Intel Xeon Ice Lake: 8 rows 545 / 636 us, 16 rows 662 / 1212 us a
-// layer; 3 rows 469 / 308)
-constexpr int64_t kVnniFusedRows = 5;
+// layer; 3 rows 469 / 308). As bytes (gemm_nibble_bytes), from 4 rows (a Zen 5, in cache, bytes / fused: a layer's
+// four matrices at 4 rows 96 / 123 us, 5 rows 106 / 149; 3 rows 88 / 88, 2 rows 77 / 55)
+constexpr int64_t kVnniFusedRows = 3;
 // and 8-bit ones (the LM head, read from memory at few rows) from 9 rows: 16 rows 7.1 / 11.1 ms, 32 rows 10.1 /
 // 21.9, 8 rows 5.5 / 5.7 (int8 activations with vpdpbusd on the fused path)
 constexpr int64_t kVnniByteFusedRows = 8;
