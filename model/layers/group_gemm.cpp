@@ -1070,6 +1070,38 @@ inline void transpose16(__m512i r[16]) {
   }
 }
 
+// One group's int32 sums of R rows against a tile's 32 weight rows into the float sums f: times the weight scales
+// and x's step, plus (with minimums) each weight row's minimum times the group's float sum of x.
+template <int R, bool Minimum>
+__attribute__((always_inline)) inline void add_group(const __m512i (&a)[R][2], const float* ws, const float* wm,
+                                                     const float* xd, const float* xs, int64_t groups, int64_t g,
+                                                     __m512 (&f)[R][2]) {
+  const __m512 s0 = _mm512_loadu_ps(ws + g * kInt16Cols), s1 = _mm512_loadu_ps(ws + g * kInt16Cols + 16);
+  for (int r = 0; r < R; ++r) {
+    const __m512 d = _mm512_set1_ps(xd[r * groups + g]);
+    f[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[r][0]), _mm512_mul_ps(s0, d), f[r][0]);
+    f[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[r][1]), _mm512_mul_ps(s1, d), f[r][1]);
+  }
+  if constexpr (Minimum) {
+    const __m512 m0 = _mm512_loadu_ps(wm + g * kInt16Cols), m1 = _mm512_loadu_ps(wm + g * kInt16Cols + 16);
+    for (int r = 0; r < R; ++r) {
+      const __m512 sum = _mm512_set1_ps(xs[r * groups + g]);
+      f[r][0] = _mm512_fmadd_ps(sum, m0, f[r][0]);
+      f[r][1] = _mm512_fmadd_ps(sum, m1, f[r][1]);
+    }
+  }
+}
+
+// The float sums of R rows into y[r * ldy + c] for c < cols.
+template <int R>
+__attribute__((always_inline)) inline void store_sums(const __m512 (&f)[R][2], float* y, int64_t ldy, int64_t cols) {
+  const __mmask16 first = cols >= 16 ? 0xFFFF : (1u << cols) - 1, second = cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : (1u << (cols - 16)) - 1;
+  for (int r = 0; r < R; ++r) {
+    _mm512_mask_storeu_ps(y + r * ldy, first, f[r][0]);
+    _mm512_mask_storeu_ps(y + r * ldy + 16, second, f[r][1]);
+  }
+}
+
 // Weight rows [n0, n0 + 32) of an 8-bit matrix (4-bit ones take gemm_nibble_bytes here), zeros past N -> wt
 // [groups][16 pairs][32] int32.
 template <int Bits>
@@ -1117,20 +1149,7 @@ void int16_tile(const int16_t* xq, int64_t ldq, const float* xd, const float* xs
     pairs(0, std::true_type{});
 #pragma GCC unroll 15
     for (int p = 1; p < 16; ++p) pairs(p, std::false_type{});
-    const __m512 s0 = _mm512_loadu_ps(ws + g * kInt16Cols), s1 = _mm512_loadu_ps(ws + g * kInt16Cols + 16);
-    for (int r = 0; r < R; ++r) {
-      const __m512 d = _mm512_set1_ps(xd[r * groups + g]);
-      f[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[r][0]), _mm512_mul_ps(s0, d), f[r][0]);
-      f[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[r][1]), _mm512_mul_ps(s1, d), f[r][1]);
-    }
-    if constexpr (Minimum) {  // minimum * (the group's float sum of x)
-      const __m512 m0 = _mm512_loadu_ps(wm + g * kInt16Cols), m1 = _mm512_loadu_ps(wm + g * kInt16Cols + 16);
-      for (int r = 0; r < R; ++r) {
-        const __m512 sum = _mm512_set1_ps(xs[r * groups + g]);
-        f[r][0] = _mm512_fmadd_ps(sum, m0, f[r][0]);
-        f[r][1] = _mm512_fmadd_ps(sum, m1, f[r][1]);
-      }
-    }
+    add_group<R, Minimum>(a, ws, wm, xd, xs, groups, g, f);
   }
   const __mmask16 first = cols >= 16 ? 0xFFFF : (1u << cols) - 1, second = cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : (1u << (cols - 16)) - 1;
   for (int r = 0; r < R; ++r) {
@@ -1435,26 +1454,9 @@ void nibble_byte_tile(const int8_t* xh, const uint8_t* xl, int64_t K, const floa
         a[r][1] = _mm512_dpbusd_epi32(a[r][1], b, w1);
       }
     }
-    const __m512 s0 = _mm512_loadu_ps(ws + g * kInt16Cols), s1 = _mm512_loadu_ps(ws + g * kInt16Cols + 16);
-    for (int r = 0; r < R; ++r) {
-      const __m512 d = _mm512_set1_ps(xd[r * groups + g]);
-      f[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[r][0]), _mm512_mul_ps(s0, d), f[r][0]);
-      f[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[r][1]), _mm512_mul_ps(s1, d), f[r][1]);
-    }
-    if constexpr (Minimum) {  // minimum * (the group's float sum of x)
-      const __m512 m0 = _mm512_loadu_ps(wm + g * kInt16Cols), m1 = _mm512_loadu_ps(wm + g * kInt16Cols + 16);
-      for (int r = 0; r < R; ++r) {
-        const __m512 sum = _mm512_set1_ps(xs[r * groups + g]);
-        f[r][0] = _mm512_fmadd_ps(sum, m0, f[r][0]);
-        f[r][1] = _mm512_fmadd_ps(sum, m1, f[r][1]);
-      }
-    }
+    add_group<R, Minimum>(a, ws, wm, xd, xs, groups, g, f);
   }
-  const __mmask16 first = cols >= 16 ? 0xFFFF : (1u << cols) - 1, second = cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : (1u << (cols - 16)) - 1;
-  for (int r = 0; r < R; ++r) {
-    _mm512_mask_storeu_ps(y + r * ldy, first, f[r][0]);
-    _mm512_mask_storeu_ps(y + r * ldy + 16, second, f[r][1]);
-  }
+  store_sums<R>(f, y, ldy, cols);
 }
 
 template <typename S>
@@ -1582,26 +1584,9 @@ void int8_tile(const int8_t* xq, int64_t K, const float* xd, const float* xs, co
         a[r][1] = _mm512_dpbusd_epi32(a[r][1], w1, b);
       }
     }
-    const __m512 s0 = _mm512_loadu_ps(ws + g * kInt16Cols), s1 = _mm512_loadu_ps(ws + g * kInt16Cols + 16);
-    for (int r = 0; r < R; ++r) {
-      const __m512 d = _mm512_set1_ps(xd[r * groups + g]);
-      f[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[r][0]), _mm512_mul_ps(s0, d), f[r][0]);
-      f[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[r][1]), _mm512_mul_ps(s1, d), f[r][1]);
-    }
-    if constexpr (Minimum) {
-      const __m512 m0 = _mm512_loadu_ps(wm + g * kInt16Cols), m1 = _mm512_loadu_ps(wm + g * kInt16Cols + 16);
-      for (int r = 0; r < R; ++r) {
-        const __m512 sum = _mm512_set1_ps(xs[r * groups + g]);
-        f[r][0] = _mm512_fmadd_ps(sum, m0, f[r][0]);
-        f[r][1] = _mm512_fmadd_ps(sum, m1, f[r][1]);
-      }
-    }
+    add_group<R, Minimum>(a, ws, wm, xd, xs, groups, g, f);
   }
-  const __mmask16 first = cols >= 16 ? 0xFFFF : (1u << cols) - 1, second = cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : (1u << (cols - 16)) - 1;
-  for (int r = 0; r < R; ++r) {
-    _mm512_mask_storeu_ps(y + r * ldy, first, f[r][0]);
-    _mm512_mask_storeu_ps(y + r * ldy + 16, second, f[r][1]);
-  }
+  store_sums<R>(f, y, ldy, cols);
 }
 
 template <typename S>
