@@ -15,11 +15,11 @@
 // with AVX512-VNNI), so a step reads the 4-bit bytes once; 8-bit weights from kByteRows rows with AVX512-VNNI take
 // int8 activations and vpdpbusd instead (up to 64 rows without AMX). More rows (batched decode, prefill): tiles of
 // weight rows are dequantized into a cache-sized buffer and multiplied by torch's GEMM; or, where prompts stay
-// float32 (neither AVX512-BF16 nor AMX: an Ice Lake, an AVX2 Zen 3), from 6 rows of 4-bit weights (9 of 8-bit with
-// AVX512-VNNI, 14 with AVX2), unpacked to int16 and multiplied with vpdpwssd or vpmaddwd (gemm_int16; 4-bit weights
-// with AVX512-VNNI: the nibbles as bytes against the int16 activations split into two bytes, vpdpbusd,
-// gemm_nibble_bytes); on an AMD CPU with AVX512-BF16 (Zen 4), gemm_int16 takes batched decode (up to 64 rows of 4-bit weights) and the prompts beyond
-// multiply in bfloat16 (gemm_brgemm: the weights dequantized into the VNNI pairs of oneDNN's brgemm micro-kernel,
+// float32 (neither AVX512-BF16 nor AMX: an Ice Lake, an AVX2 Zen 3), from 4 rows of 4-bit weights with AVX512-VNNI
+// (6 with AVX2; 8-bit: 9, 14), unpacked to int16 and multiplied with vpdpwssd or vpmaddwd (gemm_int16; 4-bit
+// weights with AVX512-VNNI: the nibbles as bytes against the int16 activations split into two bytes, vpdpbusd,
+// gemm_nibble_bytes); on an AMD CPU with AVX512-BF16 (Zen 4, Zen 5), those paths take batched decode (up to 64 rows
+// of 4-bit weights) and the prompts beyond multiply in bfloat16 (gemm_brgemm: the weights dequantized into the VNNI pairs of oneDNN's brgemm micro-kernel,
 // which writes float32 sums straight into y). 8-bit weights from 9 rows to 128 with AVX512-VNNI and no AMX take
 // the fused path's int8 activations against weight tiles transposed per call for vpdpbusd (gemm_int8). With AMX a
 // third takes 6 to 48 rows (batched decode): the weights
